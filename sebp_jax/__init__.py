@@ -1,0 +1,12 @@
+"""SEBP for JAX: the Sparsity-Exploiting Backward Pass for linear layers.
+
+When short sequences are padded to a fixed context, most rows of a linear layer's output gradient
+are zero; SEBP runs the backward matmuls on the active rows only. See ``RowPolicy`` for which rows
+are kept and ``sebp_matmul`` for the contract.
+"""
+
+from sebp_jax.linen import SEBPDense, swap_dense
+from sebp_jax.matmul import sebp_matmul
+from sebp_jax.policy import RowPolicy
+
+__all__ = ["RowPolicy", "sebp_matmul", "SEBPDense", "swap_dense"]

@@ -1,0 +1,114 @@
+"""Portable SEBP backward in plain XLA: bucketed static capacities with a dense fallback.
+
+XLA needs static shapes, but the number of kept rows is a runtime value. So the backward compiles a
+few branches, each for a static capacity ``C`` (``M/32 .. M/2`` rows), plus the dense backward, and
+``lax.switch`` runs the smallest one that holds ``count``. A branch gathers the first ``C`` rows of
+the active-first permutation, runs the two matmuls on ``C`` rows and scatters ``dX`` back. The
+compiled program is the same whatever the padding: nothing retraces when ``count`` changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
+
+__all__ = ["backward", "dense_backward", "capacities"]
+
+# Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
+# branches cost compile time and gain nothing.
+_MIN_CAPACITY = 8
+# Capacities as fractions of M. Above M/2 the gather/scatter overhead eats most of the saving,
+# so the dense branch takes over.
+_CAPACITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+# Contractions, in lax.dot_general's dimension numbers.
+_DX_DIMS = (((1,), (1,)), ((), ()))  # (M, N) x (K, N) -> (M, K)
+_DW_DIMS = (((0,), (0,)), ((), ()))  # (M, K) x (M, N) -> (K, N)
+
+
+def capacities(num_rows: int) -> tuple[int, ...]:
+  """Static row capacities of the compact branches for ``num_rows`` rows (may be empty)."""
+  caps = set()
+  for fraction in _CAPACITY_FRACTIONS:
+    cap = -(-int(num_rows * fraction) // _MIN_CAPACITY) * _MIN_CAPACITY
+    if _MIN_CAPACITY <= cap < num_rows:
+      caps.add(cap)
+  return tuple(sorted(caps))
+
+
+def _products(x, kernel, dy, precision):
+  """``(dy @ kernel.T, x.T @ dy)``, each ``None`` where its operand is ``None``.
+
+  Dots accumulate in float32 (XLA does so for bf16 on CPU and GPU) and return the primal dtype.
+  """
+  dx = None
+  if kernel is not None:
+    dx = lax.dot_general(dy, kernel, _DX_DIMS, precision=precision,
+                         preferred_element_type=kernel.dtype)
+  dw = None
+  if x is not None:
+    dw = lax.dot_general(x, dy, _DW_DIMS, precision=precision,
+                         preferred_element_type=x.dtype)
+  return dx, dw
+
+
+def dense_backward(x, kernel, dy, keep, *, policy: RowPolicy, precision=None):
+  """The dense backward of the masked gradient ``dy * keep[:, None]``.
+
+  Under the exact policy every dropped row is already zero, so the mask is skipped.
+  """
+  if not policy.is_exact:
+    dy = jnp.where(keep[:, None], dy, jnp.zeros((), dy.dtype))
+  return _products(x, kernel, dy, precision)
+
+
+def _compact_backward(capacity, x, kernel, dy, perm, count, *, precision):
+  """The backward on the first ``capacity`` rows of ``perm``, of which ``count`` are kept."""
+  num_rows = dy.shape[0]
+  rows = perm[:capacity]
+  valid = (jnp.arange(capacity, dtype=jnp.int32) < count)[:, None]
+  gather = dict(mode="promise_in_bounds", unique_indices=True)
+  # Rows past `count` are dropped rows: zero them so they add nothing (and a non-finite
+  # activation in a dropped row cannot reach dW).
+  dy_rows = jnp.where(valid, dy.at[rows].get(**gather), jnp.zeros((), dy.dtype))
+  x_rows = None
+  if x is not None:
+    x_rows = jnp.where(valid, x.at[rows].get(**gather), jnp.zeros((), x.dtype))
+  dx_rows, dw = _products(x_rows, kernel, dy_rows, precision)
+  dx = None
+  if dx_rows is not None:
+    dx = jnp.zeros((num_rows, dx_rows.shape[1]), dx_rows.dtype).at[rows].set(
+      dx_rows, **gather)
+  return dx, dw
+
+
+def backward(x, kernel, dy, *, policy: RowPolicy, precision=None):
+  """SEBP backward of ``y = x @ kernel`` in XLA.
+
+  Args:
+    x: ``(M, K)`` input, or ``None`` when ``dW`` is not needed.
+    kernel: ``(K, N)`` weight, or ``None`` when ``dX`` is not needed.
+    dy: ``(M, N)`` output gradient.
+    policy: which rows to keep.
+    precision: ``lax.Precision`` of the two matmuls.
+
+  Returns:
+    ``(dx, dw)``: ``(M, K)`` and ``(K, N)``, ``None`` where not asked for; equal to the dense
+    backward of ``dy * keep[:, None]`` up to summation order.
+  """
+  keep = keep_mask(dy, policy)
+  caps = capacities(dy.shape[0])
+  dense = lambda: dense_backward(x, kernel, dy, keep, policy=policy, precision=precision)
+  if not caps:
+    return dense()
+  perm, count = active_first_permutation(keep)
+  branches = [
+    lambda cap=cap: _compact_backward(cap, x, kernel, dy, perm, count, precision=precision)
+    for cap in caps
+  ]
+  # The smallest capacity that holds `count`; the dense branch past the largest.
+  branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), count, side="left")
+  return lax.switch(branch, [*branches, dense])

@@ -1,0 +1,108 @@
+"""flax.linen integration: ``SEBPDense`` and ``swap_dense``.
+
+Both rest on one fact: ``nn.Dense`` does its matmul through a ``dot_general`` it can be given, and
+SEBP lives entirely inside that matmul (:class:`sebp_jax.matmul.SEBPDotGeneral`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import flax.linen as nn
+
+from sebp_jax.matmul import SEBPDotGeneral
+from sebp_jax.policy import RowPolicy
+
+__all__ = ["SEBPDense", "swap_dense"]
+
+ModulePath = tuple[str, ...]
+
+
+class SEBPDense(nn.Dense):
+  """``nn.Dense`` whose backward runs on the active rows of the output gradient only.
+
+  The same attributes, parameter names, shapes and initialisers as ``nn.Dense`` (a checkpoint
+  moves between the two untouched), plus:
+
+  Attributes:
+    policy: which output-gradient rows to keep (:class:`sebp_jax.RowPolicy`; exact by default).
+    impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
+
+  Example usage::
+
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> layer = SEBPDense(features=4)
+    >>> params = layer.init(jax.random.key(0), jnp.ones((2, 7, 3)))
+    >>> jax.tree_util.tree_map(jnp.shape, params)
+    {'params': {'bias': (4,), 'kernel': (3, 4)}}
+    >>> nn.Dense(features=4).apply(params, jnp.ones((2, 7, 3))).shape
+    (2, 7, 4)
+  """
+
+  policy: RowPolicy = RowPolicy()
+  impl: str = "auto"
+
+  def __post_init__(self):
+    if self.dot_general_cls is not None or not (
+        self.dot_general is None or isinstance(self.dot_general, SEBPDotGeneral)):
+      raise ValueError(
+        "SEBPDense: `dot_general` and `dot_general_cls` are SEBP's own; leave them unset.")
+    # The SEBP matmul is Dense's own dot_general hook, so Dense's __call__ runs unchanged. Set on
+    # every construction (clones included) from `policy` and `impl`.
+    object.__setattr__(self, "dot_general", SEBPDotGeneral(self.policy, self.impl))
+    super().__post_init__()
+
+
+@contextlib.contextmanager
+def swap_dense(
+  policy: RowPolicy = RowPolicy(),
+  *,
+  where: Callable[[ModulePath], bool] | None = None,
+  impl: str = "auto",
+) -> Iterator[None]:
+  """Run every ``nn.Dense`` called inside the block with the SEBP backward.
+
+  The model is not modified: the swap applies to calls traced while the context is open (inside
+  ``init``, ``apply``, or a function being jitted). Parameters are untouched, so the same params
+  serve the dense and the SEBP model. A Dense with its own ``dot_general`` (quantised matmuls,
+  say) is left as it is.
+
+  Args:
+    policy: which output-gradient rows to keep.
+    where: predicate on the module path, e.g. ``("encoder", "layer_3", "intermediate", "dense")``,
+      choosing the layers that get SEBP; ``None`` selects every Dense.
+    impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import flax.linen as nn
+  >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+  >>> x = jnp.ones((4, 3))
+  >>> params = model.init(jax.random.key(0), x)
+  >>> with swap_dense(where=lambda path: path[-1] == "layers_2"):
+  ...   grads = jax.grad(lambda p: model.apply(p, x).sum())(params)
+  """
+  dot_general = SEBPDotGeneral(policy, impl)
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    swap = (
+      type(module) is nn.Dense  # subclasses (SEBPDense among them) keep their own matmul
+      and context.method_name == "__call__"
+      and module.dot_general is None
+      and module.dot_general_cls is None
+      and (where is None or where(tuple(module.path)))
+    )
+    if not swap:
+      return next_fun(*args, **kwargs)
+    # Dense reads its `dot_general` field in __call__: set it for this call only.
+    object.__setattr__(module, "dot_general", dot_general)
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      object.__setattr__(module, "dot_general", None)
+
+  with nn.intercept_methods(interceptor):
+    yield
+

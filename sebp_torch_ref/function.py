@@ -1,0 +1,149 @@
+"""``sebp_linear``: ``F.linear`` with the SEBP backward, as a ``torch.autograd.Function``.
+
+The forward is ``F.linear``, unchanged. The backward selects the rows of the output gradient that
+the :class:`~sebp_torch_ref.policy.RowPolicy` keeps and computes ``dX``/``dW`` as the dense
+backward of the masked gradient ``dY * keep[:, None]``; ``db`` is always the full row sum of
+``dY``. Backends (``impl``):
+
+* ``"triton"``: the kernels of :mod:`sebp_torch_ref.kernels` (CUDA, or CPU under
+  ``TRITON_INTERPRET=1``); no host synchronisation.
+* ``"torch"``: ``index_select`` + ``mm`` + ``index_copy`` on any device (reads ``count`` once).
+* ``"dense"``: the plain backward, for A/B runs.
+* ``"auto"``: ``"triton"`` on CUDA, ``"torch"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .policy import RowPolicy, active_first_permutation, keep_mask
+
+__all__ = ["IMPLS", "sebp_linear"]
+
+IMPLS = ("auto", "triton", "torch", "dense")
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return impl
+
+
+def _masked_grads(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: RowPolicy, impl: str,
+    need_x: bool, need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dX (M, K)`` and ``dW (N, K)`` of the masked gradient, each only if needed."""
+    if impl == "dense":
+        return (dy @ weight if need_x else None), (dy.t() @ x if need_w else None)
+    perm, count = active_first_permutation(keep_mask(dy, policy))
+    if impl == "triton":
+        from . import kernels  # Triton is needed only here (and may be absent elsewhere).
+
+        dx = kernels.sebp_dx(dy, weight, perm, count) if need_x else None
+        dw = kernels.sebp_dw(dy, x, perm, count, weight.dtype) if need_w else None
+        return dx, dw
+    kept = perm[: int(count.item())].long()
+    dy_kept = dy.index_select(0, kept)
+    dx = dw = None
+    if need_x:
+        dx = torch.zeros_like(x).index_copy_(0, kept, dy_kept @ weight)
+    if need_w:
+        dw = dy_kept.t() @ x.index_select(0, kept)
+    return dx, dw
+
+
+class _SEBPLinearFunction(torch.autograd.Function):
+    """``Y = X W^T + b`` on 2-D ``X``; see :func:`sebp_linear`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, policy, impl):
+        ctx.save_for_backward(x, weight)
+        ctx.policy = policy
+        ctx.impl = impl
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
+        dy = dy.to(x.dtype)
+        db = dy.sum(dim=0, dtype=torch.float32).to(weight.dtype) if need_b else None
+        dx = dw = None
+        if need_x or need_w:
+            dx, dw = _masked_grads(dy, x, weight, ctx.policy, ctx.impl, need_x, need_w)
+        return dx, dw, db, None, None
+
+
+def _check_args(x, weight, bias, policy, impl) -> None:
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sebp_linear: `{name}` must be a torch.Tensor, got {type(t).__name__}.")
+        if not t.is_floating_point():
+            raise TypeError(f"sebp_linear: `{name}` must have a floating dtype, got {t.dtype}.")
+    if not isinstance(policy, RowPolicy):
+        raise TypeError(f"sebp_linear: `policy` must be a RowPolicy, got {type(policy).__name__}.")
+    if impl not in IMPLS:
+        raise ValueError(f"sebp_linear: `impl` must be one of {IMPLS}, got {impl!r}.")
+    if x.dim() < 2:
+        raise ValueError(f"sebp_linear: `x` must have rank >= 2 (..., in_features), got shape {tuple(x.shape)}.")
+    if weight.dim() != 2:
+        raise ValueError(f"sebp_linear: `weight` must be 2-D (out, in), got shape {tuple(weight.shape)}.")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"sebp_linear: `x` has {x.shape[-1]} input features but `weight` {tuple(weight.shape)} "
+            f"expects {weight.shape[1]}."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"sebp_linear: `bias` must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"sebp_linear: `{name}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
+
+
+@torch.compiler.disable  # Data-dependent selection: run eagerly, a graph break under torch.compile.
+def sebp_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: RowPolicy = RowPolicy(),
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward runs on the rows of ``dY`` the policy keeps.
+
+    Args:
+        x: ``(..., K)`` input, rank >= 2; leading dims are flattened to ``M`` rows.
+        weight: ``(N, K)`` weight in torch layout (out, in).
+        bias: optional ``(N,)`` bias.
+        policy: which rows of ``dY`` the backward keeps (:class:`RowPolicy`; default exact).
+        impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"dense"`` (see the module docstring).
+
+    Returns:
+        ``(..., N)`` output, equal to ``F.linear(x, weight, bias)``. In the backward, ``dX`` and
+        ``dW`` are the dense gradients of ``dY * keep[:, None]`` (accumulated in float32, returned
+        in the primal dtypes) and ``db`` is the full ``dY.sum(rows)``. Gradients are computed only
+        for inputs that require them (no ``dW`` for a frozen weight).
+
+    Under autocast the inputs are cast to the autocast dtype first, as autocast does for
+    ``F.linear``; the casts are recorded by autograd, so float32 master weights get float32
+    gradients.
+    """
+    _check_args(x, weight, bias, policy, impl)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # The autocast recipe for linear, applied by hand: custom_fwd binds one device type at
+        # decoration time, while this function serves every device.
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return sebp_linear(x, weight, bias, policy=policy, impl=impl)
+    impl = _resolve_impl(impl, x.device)
+    x2d = x.reshape(-1, x.shape[-1])
+    y2d = _SEBPLinearFunction.apply(x2d, weight, bias, policy, impl)
+    return y2d.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,203 @@
+"""Triton kernels of the SEBP backward: dX and dW over the kept rows only.
+
+Both kernels take the active-first permutation ``perm`` and the device scalar ``count`` from
+:func:`sebp_torch_ref.policy.active_first_permutation`, so the launch grid depends only on the
+shapes and the host never waits for ``count``:
+
+* **dX** ``(M, K) = dY (M, N) @ W (N, K)``: a grid over (column blocks of K, row blocks of
+  ``perm``). A block inside ``perm[:count]`` gathers its ``dY`` rows, multiplies by ``W`` and
+  scatters the result to the same rows of ``dX``; a block past ``count`` stores zeros. Every row of
+  ``dX`` is written exactly once: no memset, no atomics, no compacted copy of ``dY`` in memory.
+* **dW** ``(N, K) = dY^T @ X`` over kept rows: a grid over output tiles; each program loops over
+  ``perm[:count]`` with a runtime trip count ``cdiv(count, BLOCK_M)``, so its cost follows the
+  number of kept rows.
+
+Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
+products (no TF32), like a default cuBLAS float32 matmul.
+
+The kernels also run on CPU under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
+before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sebp_dx", "sebp_dw", "interpreter_enabled"]
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _dx_kernel(
+    dy_ptr, w_ptr, perm_ptr, count_ptr, dx_ptr,
+    M, N, K,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    # K blocks vary fastest so that programs sharing a block of dY rows run together.
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    count = tl.load(count_ptr)
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if pid_m * BLOCK_M < count:
+        kept = slots < count
+        for n0 in range(0, N, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            dy = tl.load(
+                dy_ptr + rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
+                mask=kept[:, None] & (ns[None, :] < N),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + ns[:, None] * stride_wn + cols[None, :] * stride_wk,
+                mask=(ns[:, None] < N) & (cols[None, :] < K),
+                other=0.0,
+            )
+            acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
+    # Slots in [count, M) hold dropped rows: their accumulator stayed zero.
+    tl.store(
+        dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
+        acc.to(dx_ptr.dtype.element_ty),
+        mask=(slots[:, None] < M) & (cols[None, :] < K),
+    )
+
+
+@triton.jit
+def _dw_kernel(
+    dy_ptr, x_ptr, perm_ptr, count_ptr, dw_ptr,
+    N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_dwn, stride_dwk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(count_ptr)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(0, count, BLOCK_M):
+        slots = m0 + tl.arange(0, BLOCK_M)
+        kept = slots < count
+        rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
+        dy = tl.load(
+            dy_ptr + rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
+            mask=kept[:, None] & (ns[None, :] < N),
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+            mask=kept[:, None] & (ks[None, :] < K),
+            other=0.0,
+        )
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+    tl.store(
+        dw_ptr + ns[:, None] * stride_dwn + ks[None, :] * stride_dwk,
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=(ns[:, None] < N) & (ks[None, :] < K),
+    )
+
+
+def _config(dtype: torch.dtype, interpret: bool) -> dict:
+    """Block sizes and launch options for one operand dtype.
+
+    Under the interpreter the cost is per program and per op, not per FLOP, so small blocks keep
+    the CPU tests fast while still splitting odd shapes into several partial blocks.
+    """
+    if interpret:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_device(*tensors: torch.Tensor) -> bool:
+    """Returns whether the interpreter runs the launch; raises if neither CUDA nor it can."""
+    interpret = interpreter_enabled()
+    if not interpret and any(t.device.type != "cuda" for t in tensors):
+        raise ValueError(
+            "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton is "
+            f"imported to run the kernels on CPU; got tensors on {tensors[0].device}."
+        )
+    return interpret
+
+
+def sebp_dx(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``dX = (dY * keep[:, None]) @ W`` with dropped rows zero.
+
+    Args:
+        dy: ``(M, N)`` output gradient.
+        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``.
+        perm: ``(M,)`` int32 active-first permutation.
+        count: ``(1,)`` int32 number of kept rows (device tensor).
+
+    Returns:
+        ``(M, K)`` in ``dy``'s dtype.
+    """
+    interpret = _check_device(dy, weight, perm, count)
+    M, N = dy.shape
+    K = weight.shape[1]
+    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
+    if M == 0 or K == 0:
+        return dx
+    cfg = _config(dy.dtype, interpret)
+    grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, cfg["BLOCK_M"]))
+    _dx_kernel[grid](
+        dy, weight, perm, count, dx,
+        M, N, K,
+        dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
+        INPUT_PRECISION=_input_precision(dy.dtype),
+        **cfg,
+    )
+    return dx
+
+
+def sebp_dw(
+    dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``dW = (dY * keep[:, None])^T @ X``, summing over kept rows only.
+
+    Args:
+        dy: ``(M, N)`` output gradient.
+        x: ``(M, K)`` layer input, same dtype as ``dy``.
+        perm: ``(M,)`` int32 active-first permutation.
+        count: ``(1,)`` int32 number of kept rows (device tensor).
+        out_dtype: dtype of the result (the weight's).
+
+    Returns:
+        ``(N, K)`` in ``out_dtype``.
+    """
+    interpret = _check_device(dy, x, perm, count)
+    N = dy.shape[1]
+    K = x.shape[1]
+    dw = torch.empty((N, K), dtype=out_dtype, device=dy.device)
+    if N == 0 or K == 0:
+        return dw
+    cfg = _config(dy.dtype, interpret)
+    # The dW kernel's reduction axis is M; its tile is (BLOCK_N, BLOCK_K) of the output.
+    cfg = dict(cfg, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_M"])
+    grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    _dw_kernel[grid](
+        dy, x, perm, count, dw,
+        N, K,
+        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1),
+        INPUT_PRECISION=_input_precision(dy.dtype),
+        **cfg,
+    )
+    return dw
