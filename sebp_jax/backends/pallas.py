@@ -1,0 +1,266 @@
+"""SEBP backward as Pallas kernels lowered through Triton (GPU), or run by the Pallas interpreter.
+
+The plan (DESIGN §5):
+
+* **selection** (XLA, memory-bound): keep mask, runtime ``count`` and the active-first permutation
+  ``perm`` of all rows (:mod:`sebp_jax.policy`);
+* **dX kernel**: grid over (row blocks of ``perm``, column blocks of ``K``). A block before
+  ``count`` gathers ``dy[perm[rows]]``, multiplies by ``kernelᵀ`` and scatters the tile into
+  ``dx[perm[rows]]``; a block past ``count`` only stores zeros. Every row of ``dx`` is written
+  exactly once: no memset, no atomics, no compacted copy;
+* **dW kernel**: grid over output tiles; each program loops over the kept rows only, with the
+  runtime trip count ``cdiv(count, block_m)``, gathering ``x`` and ``dy`` rows through ``perm``;
+* **crossover**: above a measured fraction of kept rows ``lax.cond`` runs the dense backward.
+
+Every Pallas detail of the project lives in this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from sebp_jax.backends.xla import dense_backward
+from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
+
+__all__ = ["BlockConfig", "block_config", "backward", "dx_pallas", "dw_pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Tile sizes and launch parameters of the two kernels.
+
+  ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
+  of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
+  of ``dw_m``. ``crossover``: the kept-row fraction above which the dense backward runs instead.
+  """
+
+  dx_m: int = 64
+  dx_k: int = 128
+  dx_n: int = 64
+  dx_warps: int = 4
+  dx_stages: int = 3
+  dw_m: int = 64
+  dw_k: int = 128
+  dw_n: int = 128
+  dw_warps: int = 8
+  dw_stages: int = 3
+  crossover: float = 0.75
+
+
+# Measured tile choices, keyed by (GPU generation, dtype width in bytes). Tuned with
+# benchmarks/tune_blocks.py; see benchmarks/NOTES.md for the measurements behind them.
+_BLOCK_TABLE: dict[tuple[str, int], BlockConfig] = {
+  ("hopper", 2): BlockConfig(),
+  ("hopper", 4): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
+}
+_DEFAULT_CONFIG = BlockConfig()
+# Triton's dot needs every operand dim to be at least 16.
+_MIN_BLOCK = 16
+
+
+def _gpu_generation() -> str:
+  try:
+    kind = jax.devices()[0].device_kind.lower()
+  except RuntimeError:  # no devices of the default backend
+    return "unknown"
+  for marker, generation in (("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"),
+                             ("gh200", "hopper"), ("a100", "ampere"), ("a10", "ampere")):
+    if marker in kind:
+      return generation
+  return "unknown"
+
+
+def _fit(block: int, dim: int) -> int:
+  """``block`` shrunk to the smallest power of two >= ``dim`` (never below ``_MIN_BLOCK``)."""
+  return max(_MIN_BLOCK, min(block, pl.next_power_of_2(dim)))
+
+
+def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> BlockConfig:
+  """Tile sizes for an ``(M, K) x (K, N)`` layer: the table's entry, shrunk to small shapes."""
+  base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize), _DEFAULT_CONFIG)
+  return dataclasses.replace(
+    base,
+    dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
+    dx_n=_fit(base.dx_n, out_features),
+    dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
+    dw_n=_fit(base.dw_n, out_features),
+  )
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Zero-pad ``array`` at the end of each dim to ``shape`` (no copy when already that shape)."""
+  if array.shape == shape:
+    return array
+  return jnp.pad(array, [(0, s - d) for s, d in zip(shape, array.shape)])
+
+
+def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
+               block_m: int, block_k: int, block_n: int, precision):
+  """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``."""
+  row_block, col_block = pl.program_id(0), pl.program_id(1)
+  count = count_ref[0]
+  start = row_block * block_m
+  rows = perm_ref[pl.ds(start, block_m)]
+  cols = pl.ds(col_block * block_k, block_k)
+
+  @pl.when(start < count)
+  def _product():
+    # Rows of the block at or past `count` are dropped rows: zeroed before the product.
+    valid = (start + jnp.arange(block_m) < count)[:, None]
+
+    def step(n, acc):
+      span = pl.ds(n * block_n, block_n)
+      dy = jnp.where(valid, dy_ref[rows, span], 0)
+      return acc + pl.dot(dy, kernel_ref[cols, span], trans_b=True, precision=precision)
+
+    acc = lax.fori_loop(0, dy_ref.shape[1] // block_n, step,
+                        jnp.zeros((block_m, block_k), jnp.float32))
+    dx_ref[rows, cols] = acc.astype(dx_ref.dtype)
+
+  @pl.when(start >= count)
+  def _zeros():
+    dx_ref[rows, cols] = jnp.zeros((block_m, block_k), dx_ref.dtype)
+
+
+def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
+               block_m: int, block_k: int, block_n: int, precision):
+  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only."""
+  k_block, n_block = pl.program_id(0), pl.program_id(1)
+  count = count_ref[0]
+  k_span = pl.ds(k_block * block_k, block_k)
+  n_span = pl.ds(n_block * block_n, block_n)
+
+  def step(t, acc):
+    start = t * block_m
+    rows = perm_ref[pl.ds(start, block_m)]
+    valid = (start + jnp.arange(block_m) < count)[:, None]
+    x = jnp.where(valid, x_ref[rows, k_span], 0)
+    dy = jnp.where(valid, dy_ref[rows, n_span], 0)
+    return acc + pl.dot(x, dy, trans_a=True, precision=precision)
+
+  # Runtime trip count: the cost follows the kept rows, not the padded length.
+  acc = lax.fori_loop(0, pl.cdiv(count, block_m), step,
+                      jnp.zeros((block_k, block_n), jnp.float32))
+  dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+
+
+def _count_array(count: jax.Array) -> jax.Array:
+  return jnp.reshape(count, (1,)).astype(jnp.int32)
+
+
+def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, precision=None,
+              interpret: bool = False) -> jax.Array:
+  """``dx = (dy * keep) @ kernelᵀ`` on padded operands.
+
+  Args:
+    dy: ``(M, N)`` with ``M % dx_m == 0`` and ``N % dx_n == 0``.
+    kernel: ``(K, N)`` with ``K % dx_k == 0``.
+    perm: ``(M,)`` int32 active-first permutation; ``count``: int32 scalar.
+
+  Returns:
+    ``(M, K)`` in ``kernel.dtype``.
+  """
+  num_rows, _ = dy.shape
+  in_features = kernel.shape[0]
+  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                           block_n=config.dx_n, precision=precision)
+  return pl.pallas_call(
+    body,
+    out_shape=jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype),
+    grid=(num_rows // config.dx_m, in_features // config.dx_k),
+    compiler_params=pl_triton.CompilerParams(num_warps=config.dx_warps,
+                                             num_stages=config.dx_stages),
+    interpret=interpret,
+    name="sebp_dx",
+  )(_count_array(count), perm, dy, kernel)
+
+
+def dw_pallas(x, dy, perm, count, *, config: BlockConfig, precision=None,
+              interpret: bool = False) -> jax.Array:
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only, on padded operands.
+
+  Args:
+    x: ``(M, K)`` with ``M % dw_m == 0`` and ``K % dw_k == 0``.
+    dy: ``(M, N)`` with ``N % dw_n == 0``.
+    perm: ``(M,)`` int32 active-first permutation; ``count``: int32 scalar.
+
+  Returns:
+    ``(K, N)`` in ``x.dtype``.
+  """
+  in_features, out_features = x.shape[1], dy.shape[1]
+  body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
+                           block_n=config.dw_n, precision=precision)
+  return pl.pallas_call(
+    body,
+    out_shape=jax.ShapeDtypeStruct((in_features, out_features), x.dtype),
+    grid=(in_features // config.dw_k, out_features // config.dw_n),
+    compiler_params=pl_triton.CompilerParams(num_warps=config.dw_warps,
+                                             num_stages=config.dw_stages),
+    interpret=interpret,
+    name="sebp_dw",
+  )(_count_array(count), perm, x, dy)
+
+
+def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret):
+  """Both products through the kernels; operands padded to whole tiles where they are not."""
+  num_rows, out_features = dy.shape
+  in_features = (kernel if kernel is not None else x.T).shape[0]
+  m_pad = _round_up(num_rows, max(config.dx_m, config.dw_m))
+  k_pad = _round_up(in_features, max(config.dx_k, config.dw_k))
+  n_pad = _round_up(out_features, max(config.dx_n, config.dw_n))
+  # Padding rows sit at the end of `perm`, past every real row: dropped, never gathered as kept.
+  perm = jnp.concatenate([perm, jnp.arange(num_rows, m_pad, dtype=jnp.int32)])
+  dy = _pad_to(dy, (m_pad, n_pad))
+  dx = dw = None
+  if kernel is not None:
+    dx = dx_pallas(dy, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
+                   precision=precision, interpret=interpret)
+    dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
+  if x is not None:
+    dw = dw_pallas(_pad_to(x, (m_pad, k_pad)), dy, perm, count, config=config,
+                   precision=precision, interpret=interpret)
+    dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
+  return dx, dw
+
+
+def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,
+             config: BlockConfig | None = None):
+  """SEBP backward of ``y = x @ kernel`` through the Pallas kernels.
+
+  Args:
+    x: ``(M, K)`` input, or ``None`` when ``dW`` is not needed.
+    kernel: ``(K, N)`` weight, or ``None`` when ``dX`` is not needed.
+    dy: ``(M, N)`` output gradient.
+    policy: which rows to keep.
+    precision: ``lax.Precision`` of the products.
+    interpret: run the kernels in the Pallas interpreter (any backend; how CI tests them).
+    config: tile sizes; by default from the table for this GPU, dtype and shape.
+
+  Returns:
+    ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
+  """
+  num_rows, out_features = dy.shape
+  in_features = (kernel if kernel is not None else x.T).shape[0]
+  if config is None:
+    config = block_config(num_rows, in_features, out_features, dy.dtype)
+  keep = keep_mask(dy, policy)
+  perm, count = active_first_permutation(keep)
+  sparse = functools.partial(_sparse_backward, config=config, precision=precision,
+                             interpret=interpret)
+  dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision)
+  # Past the crossover the compact products save less than the gather costs.
+  use_dense = count > int(config.crossover * num_rows)
+  return lax.cond(use_dense,
+                  lambda: dense(x, kernel, dy),
+                  lambda: sparse(x, kernel, dy, perm, count))
