@@ -14,6 +14,8 @@ backward of the masked gradient ``dY * keep[:, None]``; ``db`` is always the ful
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +64,7 @@ class _SEBPLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.policy = policy
         ctx.impl = impl
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -70,7 +73,7 @@ class _SEBPLinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
         dy = dy.to(x.dtype)
-        db = dy.sum(dim=0, dtype=torch.float32).to(weight.dtype) if need_b else None
+        db = dy.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if need_b else None
         dx = dw = None
         if need_x or need_w:
             dx, dw = _masked_grads(dy, x, weight, ctx.policy, ctx.impl, need_x, need_w)
@@ -130,20 +133,24 @@ def sebp_linear(
         for inputs that require them (no ``dW`` for a frozen weight).
 
     Under autocast the inputs are cast to the autocast dtype first, as autocast does for
-    ``F.linear``; the casts are recorded by autograd, so float32 master weights get float32
-    gradients.
+    ``F.linear``, so float32 master weights get float32 gradients.
     """
     _check_args(x, weight, bias, policy, impl)
+    impl = _resolve_impl(impl, x.device)
+    if impl == "triton":
+        from . import kernels
+
+        kernels.check_device(x)  # Fail at the call, not deep inside the backward.
     device_type = x.device.type
+    autocast = contextlib.nullcontext()
     if torch.is_autocast_enabled(device_type):
-        # The autocast recipe for linear, applied by hand: custom_fwd binds one device type at
-        # decoration time, while this function serves every device.
+        # The autocast recipe for linear, applied by hand (custom_fwd binds one device type at
+        # decoration time, while this function serves every device). The casts are recorded by
+        # autograd, so float32 master weights get float32 gradients.
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(device_type, enabled=False):
-            return sebp_linear(x, weight, bias, policy=policy, impl=impl)
-    impl = _resolve_impl(impl, x.device)
-    x2d = x.reshape(-1, x.shape[-1])
-    y2d = _SEBPLinearFunction.apply(x2d, weight, bias, policy, impl)
+        autocast = torch.autocast(device_type, enabled=False)
+    with autocast:
+        y2d = _SEBPLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, policy, impl)
     return y2d.reshape(*x.shape[:-1], weight.shape[0])

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sebp_dx", "sebp_dw", "interpreter_enabled"]
+__all__ = ["check_device", "default_config", "interpreter_enabled", "sebp_dw", "sebp_dx"]
 
 
 def interpreter_enabled() -> bool:
@@ -41,7 +41,7 @@ def _dx_kernel(
     M, N, K,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # K blocks vary fastest so that programs sharing a block of dY rows run together.
     pid_k = tl.program_id(0)
@@ -65,6 +65,8 @@ def _dx_kernel(
                 mask=(ns[:, None] < N) & (cols[None, :] < K),
                 other=0.0,
             )
+            if UPCAST:
+                dy, w = dy.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
     # Slots in [count, M) hold dropped rows: their accumulator stayed zero.
     tl.store(
@@ -80,7 +82,7 @@ def _dw_kernel(
     N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_dwn, stride_dwk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -102,6 +104,8 @@ def _dw_kernel(
             mask=kept[:, None] & (ks[None, :] < K),
             other=0.0,
         )
+        if UPCAST:
+            dy, x = dy.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
     tl.store(
         dw_ptr + ns[:, None] * stride_dwn + ks[None, :] * stride_dwk,
@@ -110,25 +114,44 @@ def _dw_kernel(
     )
 
 
-def _config(dtype: torch.dtype, interpret: bool) -> dict:
-    """Block sizes and launch options for one operand dtype.
+# Per kernel and operand width. BLOCK_M spans rows of dY, BLOCK_N its columns (out features),
+# BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over N, the dW tile is
+# (BLOCK_N, BLOCK_K) looping over the kept rows.
+_CONFIGS = {
+    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
+    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+}
+# Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
+# CPU tests fast while still splitting odd shapes into several partial blocks.
+_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
 
-    Under the interpreter the cost is per program and per op, not per FLOP, so small blocks keep
-    the CPU tests fast while still splitting odd shapes into several partial blocks.
+
+def default_config(kernel: str, dtype: torch.dtype, interpret: bool = False) -> dict:
+    """Block sizes and launch options of ``kernel`` (``"dx"`` or ``"dw"``) for an operand dtype.
+
+    ``benchmarks/layer_torch.py --tune`` times alternatives.
     """
     if interpret:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
+        return dict(_INTERPRETER_CONFIG)
+    return dict(_CONFIGS[kernel, dtype.itemsize])
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_options(dtype: torch.dtype, interpret: bool) -> dict:
+    """``tl.dot`` options: IEEE float32 products, and float32 operands under the interpreter.
+
+    Triton's interpreter computes ``tl.dot`` on bfloat16 operands wrongly (seen with Triton 3.9),
+    so there the operands are widened first: products of 16-bit floats are exact in float32, so
+    the result is the same up to summation order, and every gather, mask and store is still the
+    kernel's own.
+    """
+    upcast = interpret and dtype != torch.float32
+    return dict(INPUT_PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32", UPCAST=upcast)
 
 
-def _check_device(*tensors: torch.Tensor) -> bool:
-    """Returns whether the interpreter runs the launch; raises if neither CUDA nor it can."""
+def check_device(*tensors: torch.Tensor) -> bool:
+    """Whether the interpreter runs a launch on ``tensors``; raises if neither CUDA nor it can."""
     interpret = interpreter_enabled()
     if not interpret and any(t.device.type != "cuda" for t in tensors):
         raise ValueError(
@@ -138,7 +161,9 @@ def _check_device(*tensors: torch.Tensor) -> bool:
     return interpret
 
 
-def sebp_dx(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def sebp_dx(
+    dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, config: dict | None = None
+) -> torch.Tensor:
     """``dX = (dY * keep[:, None]) @ W`` with dropped rows zero.
 
     Args:
@@ -146,30 +171,36 @@ def sebp_dx(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
         weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``.
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
+        config: block sizes and launch options; ``None`` takes :func:`default_config`.
 
     Returns:
         ``(M, K)`` in ``dy``'s dtype.
     """
-    interpret = _check_device(dy, weight, perm, count)
+    interpret = check_device(dy, weight, perm, count)
     M, N = dy.shape
     K = weight.shape[1]
     dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
     if M == 0 or K == 0:
         return dx
-    cfg = _config(dy.dtype, interpret)
+    cfg = config or default_config("dx", dy.dtype, interpret)
     grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _dx_kernel[grid](
         dy, weight, perm, count, dx,
         M, N, K,
         dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-        INPUT_PRECISION=_input_precision(dy.dtype),
+        **_dot_options(dy.dtype, interpret),
         **cfg,
     )
     return dx
 
 
 def sebp_dw(
-    dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, out_dtype: torch.dtype
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    perm: torch.Tensor,
+    count: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """``dW = (dY * keep[:, None])^T @ X``, summing over kept rows only.
 
@@ -179,25 +210,24 @@ def sebp_dw(
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
         out_dtype: dtype of the result (the weight's).
+        config: block sizes and launch options; ``None`` takes :func:`default_config`.
 
     Returns:
         ``(N, K)`` in ``out_dtype``.
     """
-    interpret = _check_device(dy, x, perm, count)
+    interpret = check_device(dy, x, perm, count)
     N = dy.shape[1]
     K = x.shape[1]
     dw = torch.empty((N, K), dtype=out_dtype, device=dy.device)
     if N == 0 or K == 0:
         return dw
-    cfg = _config(dy.dtype, interpret)
-    # The dW kernel's reduction axis is M; its tile is (BLOCK_N, BLOCK_K) of the output.
-    cfg = dict(cfg, BLOCK_M=cfg["BLOCK_N"], BLOCK_N=cfg["BLOCK_M"])
+    cfg = config or default_config("dw", dy.dtype, interpret)
     grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _dw_kernel[grid](
         dy, x, perm, count, dw,
         N, K,
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1),
-        INPUT_PRECISION=_input_precision(dy.dtype),
+        **_dot_options(dy.dtype, interpret),
         **cfg,
     )
     return dw

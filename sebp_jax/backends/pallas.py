@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from sebp_jax.backends.xla import dense_backward
+from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
 __all__ = ["BlockConfig", "block_config", "backward", "dx_pallas", "dw_pallas"]
@@ -106,7 +106,7 @@ def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
-               block_m: int, block_k: int, block_n: int, precision):
+               block_m: int, block_k: int, block_n: int, mask_rows: bool, precision):
   """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``."""
   row_block, col_block = pl.program_id(0), pl.program_id(1)
   count = count_ref[0]
@@ -114,27 +114,24 @@ def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
   rows = perm_ref[pl.ds(start, block_m)]
   cols = pl.ds(col_block * block_k, block_k)
 
-  @pl.when(start < count)
-  def _product():
-    # Rows of the block at or past `count` are dropped rows: zeroed before the product.
-    valid = (start + jnp.arange(block_m) < count)[:, None]
+  def step(n, acc):
+    span = pl.ds(n * block_n, block_n)
+    return acc + lax.dot_general(dy_ref[rows, span], kernel_ref[cols, span], DX_DIMS,
+                                 precision=precision, preferred_element_type=jnp.float32)
 
-    def step(n, acc):
-      span = pl.ds(n * block_n, block_n)
-      dy = jnp.where(valid, dy_ref[rows, span], 0)
-      return acc + pl.dot(dy, kernel_ref[cols, span], trans_b=True, precision=precision)
-
-    acc = lax.fori_loop(0, dy_ref.shape[1] // block_n, step,
-                        jnp.zeros((block_m, block_k), jnp.float32))
-    dx_ref[rows, cols] = acc.astype(dx_ref.dtype)
-
-  @pl.when(start >= count)
-  def _zeros():
-    dx_ref[rows, cols] = jnp.zeros((block_m, block_k), dx_ref.dtype)
+  # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
+  # stays a plain pipelined loop, and loaded tiles go to the dot untouched.
+  steps = jnp.where(start < count, dy_ref.shape[1] // block_n, 0)
+  acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
+  if mask_rows:
+    # Row i of dx depends on row i of dy only, and dropped rows are finite (non-finite rows are
+    # always kept): zeroing the dropped rows' results equals zeroing their gradient first.
+    acc = jnp.where((start + jnp.arange(block_m) < count)[:, None], acc, 0.0)
+  dx_ref[rows, cols] = acc.astype(dx_ref.dtype)
 
 
 def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, precision):
+               block_m: int, block_k: int, block_n: int, mask_rows: bool, precision):
   """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only."""
   k_block, n_block = pl.program_id(0), pl.program_id(1)
   count = count_ref[0]
@@ -144,10 +141,11 @@ def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
   def step(t, acc):
     start = t * block_m
     rows = perm_ref[pl.ds(start, block_m)]
-    valid = (start + jnp.arange(block_m) < count)[:, None]
-    x = jnp.where(valid, x_ref[rows, k_span], 0)
-    dy = jnp.where(valid, dy_ref[rows, n_span], 0)
-    return acc + pl.dot(x, dy, trans_a=True, precision=precision)
+    dy = dy_ref[rows, n_span]
+    if mask_rows:  # the last block's rows past `count` are dropped rows
+      dy = jnp.where((start + jnp.arange(block_m) < count)[:, None], dy, 0)
+    return acc + lax.dot_general(x_ref[rows, k_span], dy, DW_DIMS, precision=precision,
+                                 preferred_element_type=jnp.float32)
 
   # Runtime trip count: the cost follows the kept rows, not the padded length.
   acc = lax.fori_loop(0, pl.cdiv(count, block_m), step,
@@ -159,14 +157,15 @@ def _count_array(count: jax.Array) -> jax.Array:
   return jnp.reshape(count, (1,)).astype(jnp.int32)
 
 
-def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, precision=None,
-              interpret: bool = False) -> jax.Array:
+def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, mask_rows: bool = True,
+              precision=None, interpret: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` on padded operands.
 
   Args:
     dy: ``(M, N)`` with ``M % dx_m == 0`` and ``N % dx_n == 0``.
     kernel: ``(K, N)`` with ``K % dx_k == 0``.
     perm: ``(M,)`` int32 active-first permutation; ``count``: int32 scalar.
+    mask_rows: zero the rows past ``count``; ``False`` when they are zero already (exact policy).
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
@@ -174,7 +173,7 @@ def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, precision=None,
   num_rows, _ = dy.shape
   in_features = kernel.shape[0]
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                           block_n=config.dx_n, precision=precision)
+                           block_n=config.dx_n, mask_rows=mask_rows, precision=precision)
   return pl.pallas_call(
     body,
     out_shape=jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype),
@@ -186,21 +185,22 @@ def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, precision=None,
   )(_count_array(count), perm, dy, kernel)
 
 
-def dw_pallas(x, dy, perm, count, *, config: BlockConfig, precision=None,
-              interpret: bool = False) -> jax.Array:
+def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True,
+              precision=None, interpret: bool = False) -> jax.Array:
   """``dw = xᵀ @ (dy * keep)`` over the kept rows only, on padded operands.
 
   Args:
     x: ``(M, K)`` with ``M % dw_m == 0`` and ``K % dw_k == 0``.
     dy: ``(M, N)`` with ``N % dw_n == 0``.
     perm: ``(M,)`` int32 active-first permutation; ``count``: int32 scalar.
+    mask_rows: zero the rows past ``count``; ``False`` when they are zero already (exact policy).
 
   Returns:
     ``(K, N)`` in ``x.dtype``.
   """
   in_features, out_features = x.shape[1], dy.shape[1]
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
-                           block_n=config.dw_n, precision=precision)
+                           block_n=config.dw_n, mask_rows=mask_rows, precision=precision)
   return pl.pallas_call(
     body,
     out_shape=jax.ShapeDtypeStruct((in_features, out_features), x.dtype),
@@ -212,7 +212,7 @@ def dw_pallas(x, dy, perm, count, *, config: BlockConfig, precision=None,
   )(_count_array(count), perm, x, dy)
 
 
-def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret):
+def _sparse_backward(x, kernel, dy, perm, count, *, config, mask_rows, precision, interpret):
   """Both products through the kernels; operands padded to whole tiles where they are not."""
   num_rows, out_features = dy.shape
   in_features = (kernel if kernel is not None else x.T).shape[0]
@@ -225,11 +225,11 @@ def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret
   dx = dw = None
   if kernel is not None:
     dx = dx_pallas(dy, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
-                   precision=precision, interpret=interpret)
+                   mask_rows=mask_rows, precision=precision, interpret=interpret)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
   if x is not None:
     dw = dw_pallas(_pad_to(x, (m_pad, k_pad)), dy, perm, count, config=config,
-                   precision=precision, interpret=interpret)
+                   mask_rows=mask_rows, precision=precision, interpret=interpret)
     dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
   return dx, dw
 
@@ -256,8 +256,9 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     config = block_config(num_rows, in_features, out_features, dy.dtype)
   keep = keep_mask(dy, policy)
   perm, count = active_first_permutation(keep)
-  sparse = functools.partial(_sparse_backward, config=config, precision=precision,
-                             interpret=interpret)
+  # Under the exact policy every dropped row is zero already: no masking in the kernels.
+  sparse = functools.partial(_sparse_backward, config=config, mask_rows=not policy.is_exact,
+                             precision=precision, interpret=interpret)
   dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision)
   # Past the crossover the compact products save less than the gather costs.
   use_dense = count > int(config.crossover * num_rows)

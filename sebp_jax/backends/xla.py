@@ -15,7 +15,7 @@ from jax import lax
 
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["backward", "dense_backward", "capacities"]
+__all__ = ["backward", "dense_backward", "capacities", "DX_DIMS", "DW_DIMS"]
 
 # Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
 # branches cost compile time and gain nothing.
@@ -25,8 +25,8 @@ _MIN_CAPACITY = 8
 _CAPACITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
 # Contractions, in lax.dot_general's dimension numbers.
-_DX_DIMS = (((1,), (1,)), ((), ()))  # (M, N) x (K, N) -> (M, K)
-_DW_DIMS = (((0,), (0,)), ((), ()))  # (M, K) x (M, N) -> (K, N)
+DX_DIMS = (((1,), (1,)), ((), ()))  # (M, N) x (K, N) -> (M, K)
+DW_DIMS = (((0,), (0,)), ((), ()))  # (M, K) x (M, N) -> (K, N)
 
 
 def capacities(num_rows: int) -> tuple[int, ...]:
@@ -46,11 +46,11 @@ def _products(x, kernel, dy, precision):
   """
   dx = None
   if kernel is not None:
-    dx = lax.dot_general(dy, kernel, _DX_DIMS, precision=precision,
+    dx = lax.dot_general(dy, kernel, DX_DIMS, precision=precision,
                          preferred_element_type=kernel.dtype)
   dw = None
   if x is not None:
-    dw = lax.dot_general(x, dy, _DW_DIMS, precision=precision,
+    dw = lax.dot_general(x, dy, DW_DIMS, precision=precision,
                          preferred_element_type=x.dtype)
   return dx, dw
 
@@ -71,12 +71,10 @@ def _compact_backward(capacity, x, kernel, dy, perm, count, *, precision):
   rows = perm[:capacity]
   valid = (jnp.arange(capacity, dtype=jnp.int32) < count)[:, None]
   gather = dict(mode="promise_in_bounds", unique_indices=True)
-  # Rows past `count` are dropped rows: zero them so they add nothing (and a non-finite
-  # activation in a dropped row cannot reach dW).
+  # Rows past `count` are dropped rows: their gradient is zeroed, as the contract's masked
+  # gradient has it.
   dy_rows = jnp.where(valid, dy.at[rows].get(**gather), jnp.zeros((), dy.dtype))
-  x_rows = None
-  if x is not None:
-    x_rows = jnp.where(valid, x.at[rows].get(**gather), jnp.zeros((), x.dtype))
+  x_rows = None if x is None else x.at[rows].get(**gather)
   dx_rows, dw = _products(x_rows, kernel, dy_rows, precision)
   dx = None
   if dx_rows is not None:

@@ -1,0 +1,186 @@
+"""Backward of one linear layer on CUDA (bf16): dense cuBLAS vs SEBP vs the ideal.
+
+The torch side of the layer benchmark: the same shapes, active fractions and ideal as the Pallas
+one, written as JSON rows that stand beside the JAX results in one table.
+
+* ``dense``: autograd of ``F.linear`` (cuBLAS dX and dW over all M rows).
+* ``sebp_triton`` / ``sebp_torch``: autograd of ``sebp_linear`` with that backend (exact policy).
+* ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
+  no selection): the floor SEBP aims at.
+
+Active rows are a right-padded prefix of each sequence; ``dY`` holds nonzero random data there and
+zeros elsewhere. Times are medians of ``triton.testing.do_bench``.
+
+Usage: ``python -m benchmarks.layer_torch --out benchmarks/results/torch_layer_<card>.json
+[--check] [--tune]``. Imports nothing from ``sebp_jax``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from sebp_torch_ref import sebp_linear
+from sebp_torch_ref import kernels
+from sebp_torch_ref.policy import RowPolicy, active_first_permutation, keep_mask
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    seq: int
+    in_features: int  # K
+    out_features: int  # N
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq
+
+
+SHAPES = [
+    Shape("bert_base_ffn_up", 32, 512, 768, 3072),
+    Shape("bert_base_ffn_down", 32, 512, 3072, 768),
+    *[
+        Shape(f"llama32_3b_{name}_b{batch}", batch, 4096, k, n)
+        for batch in (1, 8)
+        for name, k, n in [
+            ("mlp_up", 3072, 8192),
+            ("mlp_down", 8192, 3072),
+            ("attn_q_o", 3072, 3072),
+            ("attn_k_v", 3072, 1024),
+        ]
+    ],
+]
+FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
+IMPLS = ("dense", "sebp_triton", "sebp_torch", "ideal")
+DTYPE = torch.bfloat16
+
+
+def make_case(shape: Shape, fraction: float, seed: int = 0):
+    """``x (B, S, K)``, ``weight (N, K)``, ``dy (B, S, N)`` and the active prefix length."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    active = max(1, round(fraction * shape.seq))
+    x = torch.randn(shape.batch, shape.seq, shape.in_features, device="cuda", generator=gen).to(DTYPE)
+    weight = torch.randn(shape.out_features, shape.in_features, device="cuda", generator=gen)
+    weight = (weight / math.sqrt(shape.in_features)).to(DTYPE)
+    dy = torch.randn(shape.batch, shape.seq, shape.out_features, device="cuda", generator=gen).to(DTYPE)
+    dy[:, active:] = 0
+    return x.requires_grad_(), weight.requires_grad_(), dy, active
+
+
+def backward_fn(impl: str, x, weight, dy, active: int):
+    """A closure running the backward of ``impl`` once (the forward graph is built here)."""
+    if impl == "ideal":
+        x = x.detach()[:, :active].reshape(-1, x.shape[-1]).contiguous().requires_grad_()
+        dy = dy[:, :active].reshape(-1, dy.shape[-1]).contiguous()
+        y = F.linear(x, weight)
+    elif impl == "dense":
+        y = F.linear(x, weight)
+    else:
+        y = sebp_linear(x, weight, impl=impl.removeprefix("sebp_"))
+    return lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)
+
+
+def check(shape: Shape) -> None:
+    """SEBP gradients against the dense ones (the inactive rows of dY are exactly zero)."""
+    for fraction in (1.0, 0.2, 0.02):
+        x, weight, dy, active = make_case(shape, fraction, seed=1)
+        want = backward_fn("dense", x, weight, dy, active)()
+        for impl in ("sebp_triton", "sebp_torch"):
+            got = backward_fn(impl, x, weight, dy, active)()
+            for name, g, w in zip(("dx", "dw"), got, want):
+                scale = w.float().abs().max().item()
+                torch.testing.assert_close(
+                    g.float(), w.float(), rtol=2e-2, atol=1e-2 * scale,
+                    msg=lambda m: f"{shape.name} {fraction} {impl} {name}: {m}",
+                )
+    print(f"check ok: {shape.name}")
+
+
+TUNE_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (128, 64, 128, 8, 3), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (128, 32, 128, 4, 4),
+        (128, 64, 256, 8, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4), (128, 128, 128, 8, 3),
+    ]
+]
+
+
+def tune(shape: Shape, fraction: float) -> None:
+    """Times every candidate block config for both kernels; prints the best few."""
+    x, weight, dy, _ = make_case(shape, fraction)
+    x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    perm, count = active_first_permutation(keep_mask(dy2, RowPolicy()))
+    for kernel in ("dx", "dw"):
+        results = []
+        for cfg in TUNE_CANDIDATES:
+            if kernel == "dx":
+                fn = lambda: kernels.sebp_dx(dy2, weight.detach(), perm, count, config=cfg)  # noqa: E731
+            else:
+                fn = lambda: kernels.sebp_dw(dy2, x2, perm, count, DTYPE, config=cfg)  # noqa: E731
+            try:
+                results.append((triton.testing.do_bench(fn, return_mode="median"), cfg))
+            except Exception as error:  # out of shared memory etc.: a candidate, not the code, fails
+                print(f"  {kernel} {cfg}: {type(error).__name__}")
+        results.sort(key=lambda r: r[0])
+        default = kernels.default_config(kernel, DTYPE)
+        default_ms = next((ms for ms, cfg in results if cfg == default), float("nan"))
+        best = ", ".join(f"{ms:.3f}ms {tuple(c.values())}" for ms, c in results[:3])
+        print(f"tune {shape.name} f={fraction} {kernel}: default {default_ms:.3f}ms; best {best}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file for the rows")
+    parser.add_argument("--check", action="store_true", help="verify SEBP against dense first")
+    parser.add_argument("--tune", action="store_true", help="time kernel block configs first")
+    parser.add_argument("--shapes", default="", help="comma-separated substrings of shape names")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("layer_torch needs a CUDA GPU.")
+    shapes = [s for s in SHAPES if not args.shapes or any(p in s.name for p in args.shapes.split(","))]
+    device = torch.cuda.get_device_name()
+    if args.check:
+        for shape in shapes:
+            check(shape)
+    if args.tune:
+        for shape, fraction in itertools.product(shapes, (1.0, 0.1)):
+            tune(shape, fraction)
+    rows = []
+    header = f"{'shape':28} {'M':>6} {'K':>5} {'N':>5} {'frac':>5} " + " ".join(f"{i:>11}" for i in IMPLS)
+    print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}, bf16, backward ms (median)")
+    print(header + f" {'dense/sebp':>10}")
+    for shape in shapes:
+        for fraction in FRACTIONS:
+            x, weight, dy, active = make_case(shape, fraction)
+            times = {}
+            for impl in IMPLS:
+                times[impl] = triton.testing.do_bench(backward_fn(impl, x, weight, dy, active), return_mode="median")
+                rows.append(dict(
+                    framework="torch", impl=impl, shape=shape.name, M=shape.rows, K=shape.in_features,
+                    N=shape.out_features, active_fraction=fraction, bwd_ms=times[impl], device=device,
+                    dtype="bfloat16",
+                ))
+            print(
+                f"{shape.name:28} {shape.rows:>6} {shape.in_features:>5} {shape.out_features:>5} {fraction:>5} "
+                + " ".join(f"{times[i]:>11.4f}" for i in IMPLS)
+                + f" {times['dense'] / times['sebp_triton']:>10.2f}"
+            )
+            del x, weight, dy
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

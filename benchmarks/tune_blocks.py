@@ -1,0 +1,109 @@
+"""Check and time Pallas tile configurations of the SEBP backward on one GPU.
+
+For each layer shape and active fraction: verify every configuration against the dense backward
+on the masked gradient, then time it beside the dense XLA backward and the ideal (dense matmuls on
+rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``.
+
+    python benchmarks/tune_blocks.py --shapes bert_up bert_down --out tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
+from benchmarks.timing import device_time_ms, environment
+from sebp_jax.backends import pallas as pallas_backend
+from sebp_jax.backends import xla as xla_backend
+from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
+
+_Config = pallas_backend.BlockConfig
+CANDIDATES = {
+  "default": _Config(),
+  "t128w8s3": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=3,
+                      dw_m=64, dw_k=128, dw_n=128, dw_warps=8, dw_stages=3),
+  "t128w4s4": _Config(dx_m=128, dx_k=128, dx_n=32, dx_warps=4, dx_stages=4,
+                      dw_m=32, dw_k=128, dw_n=128, dw_warps=4, dw_stages=4),
+  "t128x256": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dx_stages=3,
+                      dw_m=64, dw_k=128, dw_n=256, dw_warps=8, dw_stages=3),
+  "t64x256": _Config(dx_m=64, dx_k=256, dx_n=64, dx_warps=4, dx_stages=4,
+                     dw_m=64, dw_k=256, dw_n=64, dw_warps=4, dw_stages=4),
+}
+
+
+def _dense_bwd(x, w, dy):
+  return jax.vjp(lambda x, w: x @ w, x, w)[1](dy)
+
+
+def _selection(dy):
+  return active_first_permutation(keep_mask(dy, RowPolicy()))
+
+
+def _ideal(x_rows, w, dy_rows):
+  return dy_rows @ w.T, x_rows.T @ dy_rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="+", default=["bert_up", "bert_down"])
+  parser.add_argument("--fractions", nargs="+", type=float, default=[0.05, 0.2, 0.5])
+  parser.add_argument("--configs", nargs="+", default=list(CANDIDATES))
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--reps", type=int, default=8)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  rows = []
+  for shape_name in args.shapes:
+    shape = LAYER_SHAPES[shape_name]
+    for fraction in args.fractions:
+      sets = [padded_gradient(shape, fraction, dtype, seed) for seed in range(args.reps)]
+      x, w, dy, count = sets[0]
+      expected = _dense_bwd(x, w, dy)
+      keep = np.asarray(jnp.max(jnp.abs(dy), axis=1) > 0)
+      ideal_sets = [(s[0][keep], s[1], s[2][keep]) for s in sets]
+      base = {"shape": shape_name, "M": shape.rows, "K": shape.in_features,
+              "N": shape.out_features, "active_fraction": count / shape.rows}
+      timings = {
+        "dense": device_time_ms(_dense_bwd, [s[:3] for s in sets]),
+        "ideal": device_time_ms(_ideal, ideal_sets),
+        "xla": device_time_ms(functools.partial(xla_backend.backward, policy=RowPolicy()),
+                              [s[:3] for s in sets]),
+        "selection": device_time_ms(_selection, [s[2:3] for s in sets]),
+      }
+      for name in args.configs:
+        config = dataclasses.replace(CANDIDATES[name])
+        fn = lambda x, w, dy, config=config: pallas_backend.backward(
+          x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
+        got = jax.jit(fn)(x, w, dy)
+        errors = [float(jnp.linalg.norm((g - e).astype(jnp.float32))
+                        / jnp.linalg.norm(e.astype(jnp.float32))) for g, e in zip(got, expected)]
+        timings[name] = device_time_ms(fn, [s[:3] for s in sets])
+        kernels_only = lambda x, w, dy, perm, count, config=config: (
+          pallas_backend.dx_pallas(dy, w, perm, count, config=config, mask_rows=False),
+          pallas_backend.dw_pallas(x, dy, perm, count, config=config, mask_rows=False))
+        timings[name + "/kernels"] = device_time_ms(
+          kernels_only, [(*s[:3], *_selection(s[2])) for s in sets])
+        if max(errors) > 2e-2:
+          print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
+        rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
+                     "ms": timings[name], "kernels_ms": timings[name + "/kernels"]})
+      for name in ("dense", "ideal", "xla", "selection"):
+        rows.append({**base, "config": name, "ms": timings[name]})
+      print(f"{shape_name} {count / shape.rows:5.1%} " + " ".join(
+        f"{k}={v:.3f}" for k, v in timings.items()), flush=True)
+  result = {**environment(), "dtype": args.dtype, "rows": rows}
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

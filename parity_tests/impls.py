@@ -1,0 +1,34 @@
+"""The JAX backends the contract tests run on, and the policies each of them implements."""
+
+from __future__ import annotations
+
+import pytest
+
+from sebp_jax import RowPolicy
+
+__all__ = ["JAX_IMPLS", "impl_params", "implements", "NAN_ROW_MAX_XFAIL"]
+
+# Every backend is held to the same tests. "interpret" (CPU) and "pallas" (GPU) join this list
+# when the Pallas backend lands.
+JAX_IMPLS = ["xla", "dense"]
+
+# Marks a backend's test cases carry: a GPU-only backend is skipped without a GPU (conftest.py).
+_MARKS = {"pallas": [pytest.mark.gpu]}
+
+
+def impl_params() -> list:
+  """``JAX_IMPLS`` as ``pytest.param``s carrying each backend's marks, for ``parametrize``."""
+  return [pytest.param(impl, id=impl, marks=_MARKS.get(impl, [])) for impl in JAX_IMPLS]
+
+
+def implements(impl: str, policy: RowPolicy) -> bool:
+  """Whether ``impl`` implements ``policy``: ``"dense"`` is the plain backward, exact only."""
+  return impl != "dense" or policy.is_exact
+
+
+# Known defect, reported to the lead: XLA:CPU's row max does not propagate NaN once the reduction
+# is large (about M * N >= 4096 elements), so `policy.row_scores` scores a NaN row by its finite
+# entries and the exact policy can drop it. Cases with non-finite gradients carry this mark until
+# `keep_mask` detects non-finite rows with an explicit `isfinite` reduction.
+NAN_ROW_MAX_XFAIL = pytest.mark.xfail(
+  strict=False, reason="lead: XLA:CPU row max drops NaN for M*N >= ~4096 (policy.row_scores)")

@@ -1,0 +1,264 @@
+"""sebp_linear against dense autograd on the masked gradient, for every backend (DESIGN §2).
+
+The definition: dX and dW are the dense backward of ``dY * keep[:, None]`` and db is the full row
+sum of dY; the reference is float64 autograd through ``F.linear`` on that masked gradient. ``keep``
+comes from ``keep_mask``, which test_torch_policy.py checks against a plain-Python reading of the
+contract.
+
+``impl="triton"`` runs here on CUDA (the ``gpu`` marker) and on CPU under the Triton interpreter.
+The interpreter must be switched on before Triton is first imported, so on CPU
+``test_triton_interpreter`` reruns this module's Triton cases in a fresh process with
+``TRITON_INTERPRET=1`` (running this file directly with that variable set also works).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from sebp_torch_ref import RowPolicy, apply_sebp, sebp_linear
+from sebp_torch_ref.policy import keep_mask
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+# (rtol, atol relative to the largest reference entry): the outputs are rounded once to the dtype.
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2**-7, 2**-8),
+    torch.float16: (2**-9, 2**-10),
+}
+
+CPU = pytest.param("cpu", id="cpu")
+CUDA = pytest.param(
+    "cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+)
+IMPLS = ["torch", "dense", "triton"]
+POLICIES = [RowPolicy(), RowPolicy(threshold=1e-3), RowPolicy(max_rows=5), RowPolicy(threshold=1e-3, max_rows=3)]
+LEADING_SHAPES = [(37,), (3, 13), (2, 3, 7)]  # rank 2, 3 and 4 inputs; none a multiple of a block
+PATTERNS = ["right_pad", "left_pad", "random_rows", "noise", "all_zero", "all_active", "nonfinite"]
+IN_FEATURES, OUT_FEATURES = 45, 29
+
+
+def _skip_unavailable(impl: str, device: str) -> None:
+    if impl == "triton" and device == "cpu" and not INTERPRET:
+        pytest.skip("runs in test_triton_interpreter's subprocess (TRITON_INTERPRET=1)")
+    if INTERPRET and impl != "triton":
+        pytest.skip("the interpreter process runs only the Triton cases")
+
+
+def _generator(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_output_grad(pattern: str, leading: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A float32 ``(*leading, N)`` output gradient with the row structure ``pattern`` names."""
+    dy = torch.randn(*leading, OUT_FEATURES, generator=gen)
+    seq = dy.shape[-2] if dy.dim() > 2 else dy.shape[0]
+    rows = dy.reshape(-1, seq, OUT_FEATURES)  # (sequences, positions, N) view
+    lengths = torch.randint(0, seq + 1, (rows.shape[0],), generator=gen)
+    lengths[0] = min(3, seq)  # at least one short sequence
+    position = torch.arange(seq)
+    if pattern == "right_pad":
+        rows[position[None, :] >= lengths[:, None]] = 0
+    elif pattern == "left_pad":
+        rows[position[None, :] < seq - lengths[:, None]] = 0
+    elif pattern == "random_rows":
+        rows[torch.rand(rows.shape[:2], generator=gen) < 0.6] = 0
+    elif pattern == "noise":  # padding that is not exactly zero: tiny rows below the threshold
+        rows[torch.rand(rows.shape[:2], generator=gen) < 0.6] *= 1e-5
+    elif pattern == "all_zero":
+        rows.zero_()
+    elif pattern == "nonfinite":
+        rows[position[None, :] >= lengths[:, None]] = 0
+        flat = dy.view(-1, OUT_FEATURES)
+        flat[-1, 3] = math.nan  # in a padded row: must be kept
+        flat[1, 0] = math.inf
+    return dy
+
+
+def reference_grads(x, weight, bias, dy, keep):
+    """float64 autograd of F.linear on the masked gradient; db from the unmasked one."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    dy64 = dy.double()
+    masked = torch.where(keep.view(*dy.shape[:-1], 1), dy64, torch.zeros_like(dy64))
+    dx, dw = torch.autograd.grad(F.linear(x64, w64), (x64, w64), masked)
+    db = None if bias is None else dy64.reshape(-1, dy.shape[-1]).sum(0)
+    return dx, dw, db
+
+
+def assert_grad_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    rtol, atol = TOLERANCE[dtype]
+    finite = expected[torch.isfinite(expected)]
+    scale = finite.abs().max().item() if finite.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True)
+
+
+def run_and_compare(impl, device, dtype, policy, dy, *, bias=True, x=None, weight=None):
+    gen = _generator(impl, dtype, tuple(dy.shape))
+    leading = dy.shape[:-1]
+    if x is None:
+        x = torch.randn(*leading, IN_FEATURES, generator=gen).to(device, dtype)
+    if weight is None:
+        weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device, dtype)
+    b = torch.randn(OUT_FEATURES, generator=gen).to(device, dtype) if bias else None
+    # Leaves get requires_grad here; non-contiguous views of leaves already carry it.
+    leaves = [t.requires_grad_() if t.is_leaf else t for t in (x, weight, b) if t is not None]
+    dy = dy.to(device, dtype)
+    y = sebp_linear(x, weight, b, policy=policy, impl=impl)
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=0, atol=0)
+    grads = torch.autograd.grad(y, leaves, dy)
+    keep = keep_mask(dy.reshape(-1, dy.shape[-1]).cpu(), policy)
+    expected = reference_grads(x.cpu(), weight.cpu(), b, dy.cpu(), keep)
+    for got, want in zip(grads, expected):
+        assert_grad_close(got.cpu(), want, dtype)
+
+
+# "dense" ignores the policy, so it is compared under the exact policy only.
+IMPL_POLICIES = [
+    pytest.param(impl, policy, id=f"{impl}-{policy}")
+    for impl in IMPLS
+    for policy in POLICIES
+    if impl != "dense" or policy.is_exact
+]
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("leading", LEADING_SHAPES, ids=str)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("impl, policy", IMPL_POLICIES)
+def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device):
+    _skip_unavailable(impl, device)
+    dy = make_output_grad(pattern, leading, _generator(str(policy), pattern, leading))
+    run_and_compare(impl, device, dtype, policy, dy)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_no_bias_and_non_contiguous_inputs(dtype, impl, device):
+    _skip_unavailable(impl, device)
+    gen = _generator("strided", str(dtype))
+    dy = make_output_grad("right_pad", (4, 11), gen)
+    # x: a transposed view; weight: the transpose of an (in, out) tensor.
+    x = torch.randn(11, 4, IN_FEATURES, generator=gen).to(device, dtype).requires_grad_().transpose(0, 1)
+    weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen).to(device, dtype).requires_grad_().t()
+    assert not x.is_contiguous() and not weight.is_contiguous()
+    run_and_compare(impl, device, dtype, RowPolicy(threshold=1e-3), dy, bias=False, x=x, weight=weight)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_frozen_weight_and_input(impl, device):
+    _skip_unavailable(impl, device)
+    gen = _generator("frozen", impl)
+    x = torch.randn(5, 9, IN_FEATURES, generator=gen, device=device)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen, device=device)
+    bias = torch.randn(OUT_FEATURES, generator=gen, device=device, requires_grad=True)
+    dy = make_output_grad("right_pad", (5, 9), gen).to(device)
+    for x_grad, w_grad in [(True, False), (False, True), (False, False)]:
+        xs, ws = x.clone().requires_grad_(x_grad), weight.clone().requires_grad_(w_grad)
+        sebp_linear(xs, ws, bias, impl=impl).backward(dy)
+        assert (xs.grad is not None) == x_grad and (ws.grad is not None) == w_grad
+        torch.testing.assert_close(bias.grad, dy.sum((0, 1)))
+        bias.grad = None
+
+
+def test_flops_follow_kept_rows_and_skip_frozen_weight():
+    gen = _generator("flops")
+    dy = make_output_grad("right_pad", (4, 16), gen)
+    kept = int((dy.reshape(-1, OUT_FEATURES) != 0).any(1).sum())
+    assert 0 < kept < 64
+    per_product = 2 * OUT_FEATURES * IN_FEATURES
+    for impl, rows in [("torch", kept), ("dense", 64)]:
+        for frozen in (False, True):
+            x = torch.randn(4, 16, IN_FEATURES, generator=gen, requires_grad=True)
+            weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen, requires_grad=not frozen)
+            y = sebp_linear(x, weight, impl=impl)
+            with FlopCounterMode(display=False) as counter:
+                y.backward(dy)
+            assert counter.get_total_flops() == rows * per_product * (1 if frozen else 2), (impl, frozen)
+
+
+def test_autocast_bf16_matches_native_autocast():
+    gen = _generator("autocast")
+    x = torch.randn(3, 17, IN_FEATURES, generator=gen)
+    dy = make_output_grad("right_pad", (3, 17), gen).bfloat16()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen)
+    bias = torch.randn(OUT_FEATURES, generator=gen)
+    grads = {}
+    for name, fn in [("sebp", lambda *a: sebp_linear(*a, impl="torch")), ("native", F.linear)]:
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(*leaves)
+        assert y.dtype == torch.bfloat16
+        grads[name] = torch.autograd.grad(y, leaves, dy)
+    for got, want in zip(grads["sebp"], grads["native"]):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+def test_torch_compile_of_surrounding_model():
+    gen = _generator("compile")
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, 31), torch.nn.GELU(), torch.nn.Linear(31, OUT_FEATURES)
+    )
+    patched = copy.deepcopy(model)
+    assert apply_sebp(patched, impl="torch") == 2
+    compiled = torch.compile(patched, backend="aot_eager")
+    x = torch.randn(4, 10, IN_FEATURES, generator=gen)
+    mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None]
+    for net in (model, compiled):
+        ((net(x) * mask) ** 2).sum().backward()
+    for p, q in zip(model.parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, name",
+    [
+        ((torch.randn(5), torch.randn(3, 5)), {}, ValueError, "x"),
+        ((torch.randn(2, 5), torch.randn(3, 4)), {}, ValueError, "weight"),
+        ((torch.randn(2, 5), torch.randn(3, 5, 1)), {}, ValueError, "weight"),
+        ((torch.randn(2, 5), torch.randn(3, 5), torch.randn(4)), {}, ValueError, "bias"),
+        ((torch.ones(2, 5, dtype=torch.int32), torch.randn(3, 5)), {}, TypeError, "x"),
+        ((torch.randn(2, 5), torch.ones(3, 5, dtype=torch.int64)), {}, TypeError, "weight"),
+        ((torch.randn(2, 5), torch.randn(3, 5, dtype=torch.float64)), {}, TypeError, "weight"),
+        ((torch.randn(2, 5), torch.randn(3, 5)), {"impl": "cuda"}, ValueError, "impl"),
+        ((torch.randn(2, 5), torch.randn(3, 5)), {"policy": 0.1}, TypeError, "policy"),
+    ],
+)
+def test_bad_arguments(args, kwargs, error, name):
+    with pytest.raises(error, match=f"`{name}`"):
+        sebp_linear(*args, **kwargs)
+
+
+@pytest.mark.skipif(INTERPRET, reason="checks the error raised without the interpreter")
+def test_triton_on_cpu_without_interpreter_is_a_clear_error():
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        sebp_linear(torch.randn(2, 5), torch.randn(3, 5), impl="triton")
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the launcher")
+def test_triton_interpreter():
+    """Runs this module's Triton cases on CPU in a fresh process under ``TRITON_INTERPRET=1``."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton and cpu"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout

@@ -1,0 +1,11 @@
+"""PyTorch/Triton reference of SEBP (Sparsity-Exploiting Backward Pass).
+
+The forward of a linear layer is unchanged; its backward runs on the rows of the output gradient
+that a :class:`RowPolicy` keeps (DESIGN §2). Imports nothing from ``sebp_jax``.
+"""
+
+from .function import sebp_linear
+from .patch import SEBPLinear, apply_sebp
+from .policy import RowPolicy
+
+__all__ = ["RowPolicy", "SEBPLinear", "apply_sebp", "sebp_linear"]
