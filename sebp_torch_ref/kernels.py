@@ -1,8 +1,9 @@
 """Triton kernels of the SEBP backward: dX and dW over the kept rows only.
 
-Both kernels take the active-first permutation ``perm`` and the device scalar ``count`` from
-:func:`sebp_torch_ref.policy.active_first_permutation`, so the launch grid depends only on the
-shapes and the host never waits for ``count``:
+Selection (:func:`select_rows`) is two small kernels: one pass over ``dY`` marks the kept rows
+(threshold policies; ``max_rows`` ranks rows with torch ops), and a single program partitions the
+rows into the active-first permutation ``perm`` with the device scalar ``count``, so the launch
+grids depend only on the shapes and the host never waits for ``count``:
 
 * **dX** ``(M, K) = dY (M, N) @ W (N, K)``: a grid over (column blocks of K, row blocks of
   ``perm``). A block inside ``perm[:count]`` gathers its ``dY`` rows, multiplies by ``W`` and
@@ -27,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["check_device", "default_config", "interpreter_enabled", "sebp_dw", "sebp_dx"]
+from .policy import RowPolicy, keep_mask
+
+__all__ = ["check_device", "default_config", "interpreter_enabled", "sebp_dw", "sebp_dx", "select_rows"]
 
 
 def interpreter_enabled() -> bool:
@@ -112,6 +115,82 @@ def _dw_kernel(
         acc.to(dw_ptr.dtype.element_ty),
         mask=(ns[:, None] < N) & (ks[None, :] < K),
     )
+
+
+@triton.jit
+def _keep_kernel(
+    dy_ptr, keep_ptr, threshold, M, N, stride_dym, stride_dyn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """keep[i] = max_j |dy_ij| > threshold (float32), or row i holds a NaN/Inf."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    score = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    nonfinite = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        a = tl.load(
+            dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+            mask=in_rows[:, None] & (ns[None, :] < N),
+            other=0.0,
+        ).to(tl.float32)
+        a = tl.abs(a)
+        # tl.max need not propagate NaN, so NaN/Inf are flagged explicitly (a != a is NaN).
+        bad = (a != a) | (a == float("inf"))
+        nonfinite = tl.maximum(nonfinite, tl.max(bad.to(tl.int32), axis=1))
+        score = tl.maximum(score, tl.max(tl.where(bad, 0.0, a), axis=1))
+    keep = (score > threshold) | (nonfinite > 0)
+    tl.store(keep_ptr + rows, keep.to(tl.int8), mask=in_rows)
+
+
+@triton.jit
+def _partition_kernel(keep_ptr, perm_ptr, count_ptr, M, BLOCK: tl.constexpr):
+    """One program: perm = kept rows in order, then dropped rows in order; count = #kept.
+
+    Two passes over the (tiny) mask: the total first, so dropped rows know where they start.
+    """
+    count = tl.zeros((), dtype=tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        count += tl.sum(tl.load(keep_ptr + offs, mask=offs < M, other=0).to(tl.int32))
+    kept_before = tl.zeros((), dtype=tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        keep = tl.load(keep_ptr + offs, mask=offs < M, other=0).to(tl.int32)
+        kept_through = kept_before + tl.cumsum(keep, axis=0)  # kept rows in [0, i]
+        dest = tl.where(keep > 0, kept_through - 1, count + offs - kept_through)
+        tl.store(perm_ptr + dest, offs, mask=offs < M)
+        kept_before += tl.sum(keep)
+    tl.store(count_ptr, count)
+
+
+def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)`` of :func:`~sebp_torch_ref.policy.active_first_permutation` applied to
+    :func:`~sebp_torch_ref.policy.keep_mask`, in two launches for threshold policies.
+
+    Args:
+        dy: ``(M, N)`` output gradient.
+        policy: the :class:`RowPolicy`; ``max_rows`` policies rank rows with torch ops first.
+
+    Returns:
+        ``perm`` ``(M,)`` int32 and ``count`` ``(1,)`` int32, both on ``dy``'s device.
+    """
+    interpret = check_device(dy)
+    M, N = dy.shape
+    perm = torch.empty(M, dtype=torch.int32, device=dy.device)
+    count = torch.empty(1, dtype=torch.int32, device=dy.device)
+    if policy.max_rows is not None and policy.max_rows < M:
+        keep = keep_mask(dy, policy).view(torch.int8)
+    else:
+        keep = torch.empty(M, dtype=torch.int8, device=dy.device)
+        if M:
+            block_m = 32 if interpret else 16
+            _keep_kernel[(triton.cdiv(M, block_m),)](
+                dy, keep, policy.threshold, M, N, dy.stride(0), dy.stride(1),
+                BLOCK_M=block_m, BLOCK_N=64 if interpret else 256,
+            )
+    _partition_kernel[(1,)](keep, perm, count, M, BLOCK=256 if interpret else 4096, num_warps=8)
+    return perm, count
 
 
 # Per kernel and operand width. BLOCK_M spans rows of dY, BLOCK_N its columns (out features),

@@ -121,7 +121,8 @@ def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
 
   # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
   # stays a plain pipelined loop, and loaded tiles go to the dot untouched.
-  steps = jnp.where(start < count, dy_ref.shape[1] // block_n, 0)
+  # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
+  steps = (start < count).astype(jnp.int32) * (dy_ref.shape[1] // block_n)
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
   if mask_rows:
     # Row i of dx depends on row i of dy only, and dropped rows are finite (non-finite rows are

@@ -25,9 +25,9 @@ import numpy as np
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 
 __all__ = ["RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
-           "rope_inverse_frequencies"]
+           "rope_inverse_frequencies", "IGNORE_INDEX"]
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # HF's label for positions without loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +317,8 @@ class LlamaForCausalLM(_LlamaModule):
 def causal_lm_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy, as HF's causal-LM loss computes it.
 
-  Position ``t`` predicts ``labels[:, t + 1]``; labels equal to ``-100`` (padding, prompt) are
-  ignored, and the mean runs over the remaining tokens, in float32.
+  Position ``t`` predicts ``labels[:, t + 1]``; labels equal to :data:`IGNORE_INDEX` (-100:
+  padding, prompt) are ignored, and the mean runs over the remaining tokens, in float32.
 
   Args:
     logits: ``(B, T, V)``.

@@ -1,0 +1,30 @@
+"""Reading jaxprs in tests: which primitives a traced program really runs."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+__all__ = ["iter_eqns", "dot_output_shapes", "count_primitive"]
+
+
+def iter_eqns(jaxpr: Any) -> Iterator[Any]:
+  """Every equation of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) and of the jaxprs nested in
+  its equations' parameters (``pjit``, ``cond`` branches, ``scan`` bodies, custom rules...)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+          yield from iter_eqns(sub)
+
+
+def dot_output_shapes(jaxpr: Any) -> list[tuple[int, ...]]:
+  """Output shapes of every ``dot_general`` that ``jaxpr`` runs."""
+  return [tuple(e.outvars[0].aval.shape) for e in iter_eqns(jaxpr)
+          if e.primitive.name == "dot_general"]
+
+
+def count_primitive(jaxpr: Any, prefix: str) -> int:
+  """How many equations run a primitive whose name starts with ``prefix``."""
+  return sum(e.primitive.name.startswith(prefix) for e in iter_eqns(jaxpr))
