@@ -9,7 +9,10 @@ one, written as JSON rows that stand beside the JAX results in one table.
   no selection): the floor SEBP aims at.
 
 Active rows are a right-padded prefix of each sequence; ``dY`` holds nonzero random data there and
-zeros elsewhere. Times are medians of ``triton.testing.do_bench``.
+zeros elsewhere. Times are medians of ``triton.testing.do_bench``, twice: ``bwd_ms`` calls the
+backward eagerly (Python, autograd and launch overhead included, as in an eager training step),
+``bwd_ms_cuda_graph`` replays it from a CUDA graph (GPU time only; ``sebp_torch`` reads ``count``
+on the host, so it cannot be captured and has none).
 
 Usage: ``python -m benchmarks.layer_torch --out benchmarks/results/torch_layer_<card>.json
 [--check] [--tune]``. Imports nothing from ``sebp_jax``.
@@ -90,6 +93,25 @@ def backward_fn(impl: str, x, weight, dy, active: int):
     return lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)
 
 
+def graph_backward_fn(impl: str, x, weight, dy, active: int):
+    """``backward_fn`` captured in a CUDA graph; returns the replay function.
+
+    Forward, warm-up and capture all run on one side stream: autograd runs each backward op on its
+    forward op's stream, which must be the capturing one.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = backward_fn(impl, x, weight, dy, active)
+        for _ in range(3):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
+
+
 def check(shape: Shape) -> None:
     """SEBP gradients against the dense ones (the inactive rows of dY are exactly zero)."""
     for fraction in (1.0, 0.2, 0.02):
@@ -157,24 +179,37 @@ def main() -> None:
         for shape, fraction in itertools.product(shapes, (1.0, 0.1)):
             tune(shape, fraction)
     rows = []
-    header = f"{'shape':28} {'M':>6} {'K':>5} {'N':>5} {'frac':>5} " + " ".join(f"{i:>11}" for i in IMPLS)
+    graphed = [i for i in IMPLS if i != "sebp_torch"]
     print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}, bf16, backward ms (median)")
-    print(header + f" {'dense/sebp':>10}")
+    print(
+        f"{'shape':28} {'M':>6} {'K':>5} {'N':>5} {'frac':>5} | eager: "
+        + " ".join(f"{i:>11}" for i in IMPLS)
+        + " | cuda graph: " + " ".join(f"{i:>11}" for i in graphed) + f" | {'dense/sebp':>10}"
+    )
     for shape in shapes:
         for fraction in FRACTIONS:
             x, weight, dy, active = make_case(shape, fraction)
-            times = {}
+            eager, graph = {}, {}
             for impl in IMPLS:
-                times[impl] = triton.testing.do_bench(backward_fn(impl, x, weight, dy, active), return_mode="median")
+                eager[impl] = triton.testing.do_bench(backward_fn(impl, x, weight, dy, active), return_mode="median")
+                if impl in graphed:
+                    try:
+                        replay = graph_backward_fn(impl, x, weight, dy, active)
+                        graph[impl] = triton.testing.do_bench(replay, return_mode="median")
+                        del replay
+                    except RuntimeError as error:  # a capture failure is a result to report
+                        print(f"{shape.name} {fraction} {impl}: CUDA graph capture failed: {error}")
+                        graph[impl] = math.nan
                 rows.append(dict(
                     framework="torch", impl=impl, shape=shape.name, M=shape.rows, K=shape.in_features,
-                    N=shape.out_features, active_fraction=fraction, bwd_ms=times[impl], device=device,
-                    dtype="bfloat16",
+                    N=shape.out_features, active_fraction=fraction, bwd_ms=eager[impl],
+                    bwd_ms_cuda_graph=graph.get(impl), device=device, dtype="bfloat16",
                 ))
             print(
-                f"{shape.name:28} {shape.rows:>6} {shape.in_features:>5} {shape.out_features:>5} {fraction:>5} "
-                + " ".join(f"{times[i]:>11.4f}" for i in IMPLS)
-                + f" {times['dense'] / times['sebp_triton']:>10.2f}"
+                f"{shape.name:28} {shape.rows:>6} {shape.in_features:>5} {shape.out_features:>5} {fraction:>5} | "
+                + "       " + " ".join(f"{eager[i]:>11.4f}" for i in IMPLS)
+                + " |             " + " ".join(f"{graph[i]:>11.4f}" for i in graphed)
+                + f" | {graph['dense'] / graph['sebp_triton']:>10.2f}"
             )
             del x, weight, dy
     with open(args.out, "w") as f:

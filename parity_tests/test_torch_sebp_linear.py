@@ -141,6 +141,10 @@ IMPL_POLICIES = [
 @pytest.mark.parametrize("impl, policy", IMPL_POLICIES)
 def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device):
     _skip_unavailable(impl, device)
+    if INTERPRET and leading != LEADING_SHAPES[1] and not policy.is_exact:
+        # Rank only changes the flattening done before any backend: the (slow) interpreter runs
+        # every policy at rank 3 and every rank under the exact policy.
+        pytest.skip("interpreter: ranks 2 and 4 run under the exact policy only")
     dy = make_output_grad(pattern, leading, _generator(str(policy), pattern, leading))
     run_and_compare(impl, device, dtype, policy, dy)
 

@@ -10,6 +10,7 @@ import contextlib
 from typing import Callable, Iterator
 
 import flax.linen as nn
+import jax
 
 from sebp_jax.matmul import SEBPDotGeneral
 from sebp_jax.policy import RowPolicy
@@ -33,6 +34,7 @@ class SEBPDense(nn.Dense):
 
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
+import jax
     >>> layer = SEBPDense(features=4)
     >>> params = layer.init(jax.random.key(0), jnp.ones((2, 7, 3)))
     >>> jax.tree_util.tree_map(jnp.shape, params)
@@ -67,7 +69,8 @@ def swap_dense(
   The model is not modified: the swap applies to calls traced while the context is open (inside
   ``init``, ``apply``, or a function being jitted). Parameters are untouched, so the same params
   serve the dense and the SEBP model. A Dense with its own ``dot_general`` (quantised matmuls,
-  say) is left as it is.
+  say) is left as it is. ``nn.Embed.attend``, the output projection of models with tied
+  embeddings (often their largest matmul), is swapped too; its path ends in ``"attend"``.
 
   Args:
     policy: which output-gradient rows to keep.
@@ -77,6 +80,7 @@ def swap_dense(
 
   >>> import jax, jax.numpy as jnp
   >>> import flax.linen as nn
+import jax
   >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
   >>> x = jnp.ones((4, 3))
   >>> params = model.init(jax.random.key(0), x)
@@ -85,24 +89,33 @@ def swap_dense(
   """
   dot_general = SEBPDotGeneral(policy, impl)
 
+  def selected(path: ModulePath) -> bool:
+    return where is None or where(path)
+
   def interceptor(next_fun, args, kwargs, context):
-    module = context.module
-    swap = (
-      type(module) is nn.Dense  # subclasses (SEBPDense among them) keep their own matmul
-      and context.method_name == "__call__"
-      and module.dot_general is None
-      and module.dot_general_cls is None
-      and (where is None or where(tuple(module.path)))
-    )
-    if not swap:
-      return next_fun(*args, **kwargs)
-    # Dense reads its `dot_general` field in __call__: set it for this call only.
-    object.__setattr__(module, "dot_general", dot_general)
-    try:
-      return next_fun(*args, **kwargs)
-    finally:
-      object.__setattr__(module, "dot_general", None)
+    module, method = context.module, context.method_name
+    if (type(module) is nn.Dense  # subclasses (SEBPDense among them) keep their own matmul
+        and method == "__call__"
+        and module.dot_general is None
+        and module.dot_general_cls is None
+        and selected(tuple(module.path))):
+      # Dense reads its `dot_general` field in __call__: set it for this call only.
+      object.__setattr__(module, "dot_general", dot_general)
+      try:
+        return next_fun(*args, **kwargs)
+      finally:
+        object.__setattr__(module, "dot_general", None)
+    if (type(module) is nn.Embed and method == "attend"
+        and selected((*module.path, "attend"))):
+      return _embed_attend(module, *args, dot_general=dot_general, **kwargs)
+    return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(interceptor):
     yield
 
+
+
+def _embed_attend(module: nn.Embed, query: jax.Array, *, dot_general: SEBPDotGeneral) -> jax.Array:
+  """``nn.Embed.attend`` (``query @ embedding.T``) through the SEBP matmul."""
+  query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+  return dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))

@@ -44,14 +44,14 @@ def _masked_grads(
 
         perm, count = kernels.select_rows(dy, policy)
         dx = kernels.sebp_dx(dy, weight, perm, count) if need_x else None
-        dw = kernels.sebp_dw(dy, x, perm, count, weight.dtype) if need_w else None
+        dw = kernels.sebp_dw(dy, x, perm, count, x.dtype) if need_w else None
         return dx, dw
     perm, count = active_first_permutation(keep_mask(dy, policy))
     kept = perm[: int(count.item())].long()
     dy_kept = dy.index_select(0, kept)
     dx = dw = None
     if need_x:
-        dx = torch.zeros_like(x).index_copy_(0, kept, dy_kept @ weight)
+        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, dy_kept @ weight)
     if need_w:
         dw = dy_kept.t() @ x.index_select(0, kept)
     return dx, dw
@@ -62,9 +62,12 @@ class _SEBPLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, policy, impl):
-        ctx.save_for_backward(x, weight)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        # dX needs only W and dW only X: save nothing the backward will not read (frozen weights).
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.policy = policy
         ctx.impl = impl
+        ctx.dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
 
@@ -73,7 +76,7 @@ class _SEBPLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
-        dy = dy.to(x.dtype)
+        dy = dy.to(ctx.dtype)
         db = dy.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if need_b else None
         dx = dw = None
         if need_x or need_w:
