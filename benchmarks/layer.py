@@ -35,29 +35,37 @@ FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 IDEAL = "ideal"
 
 
-def wall_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *, trials: int) -> float:
-  """Median wall time of one jitted ``fn(*inputs)`` call in milliseconds, cycling input sets.
+Cases = dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
 
-  Fine where a call is long against its ~0.1 ms dispatch (the CPU); on a GPU use
-  :func:`benchmarks.timing.device_time_ms`.
+
+def wall_time_ms(cases: Cases, *, trials: int) -> dict[str, list[float]]:
+  """Wall time of one jitted call of each case's ``fn(*inputs)`` in each of ``trials`` rounds, ms.
+
+  The cases take turns, one call each per round, so a drift of the machine's speed (a shared
+  CPU) hits a round's cases alike. Fine where a call is long against its ~0.1 ms dispatch (the
+  CPU); on a GPU use :func:`device_timer`.
   """
-  jitted = jax.jit(fn)
-  for inputs in input_sets[:2]:  # compile, then warm up
-    jax.block_until_ready(jitted(*inputs))
-  samples = []
+  jitted = {name: jax.jit(fn) for name, (fn, _) in cases.items()}
+  for name, (_, input_sets) in cases.items():  # compile, then warm up
+    for inputs in input_sets[:2]:
+      jax.block_until_ready(jitted[name](*inputs))
+  samples = {name: [] for name in cases}
   for i in range(trials):
-    inputs = input_sets[i % len(input_sets)]
-    start = time.perf_counter()
-    jax.block_until_ready(jitted(*inputs))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(samples)
+    for name, (_, input_sets) in cases.items():
+      inputs = input_sets[i % len(input_sets)]
+      start = time.perf_counter()
+      jax.block_until_ready(jitted[name](*inputs))
+      samples[name].append((time.perf_counter() - start) * 1e3)
+  return samples
 
 
-def device_timer(fn: Callable[..., Any], input_sets: Sequence[tuple], *, trials: int) -> float:
-  return device_time_ms(fn, input_sets, trials=trials)
+def device_timer(cases: Cases, *, trials: int) -> dict[str, list[float]]:
+  """Device time of each case (:func:`benchmarks.timing.device_time_ms`), one sample each."""
+  return {name: [device_time_ms(fn, input_sets, trials=trials)]
+          for name, (fn, input_sets) in cases.items()}
 
 
-# How one backward is timed: `(fn, input_sets, trials=) -> ms`.
+# How the backwards are timed: `(cases, trials=) -> {name: [ms per round]}`.
 TIMERS = {"wall": wall_time_ms, "device": device_timer}
 
 
@@ -81,7 +89,7 @@ def _relative_error(got, want) -> float:
 
 
 def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[str], dtype: Any,
-        reps: int, timer: Callable[..., float], input_sets: int = 1) -> list[dict]:
+        reps: int, timer: Callable[..., dict[str, list[float]]], input_sets: int = 1) -> list[dict]:
   """Time every impl (and the ideal) at every shape and fraction; one result row each."""
   rows = []
   for shape_name in shape_names:
@@ -95,18 +103,19 @@ def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[
       base = dict(shape=shape_name, M=shape.rows, K=shape.in_features, N=shape.out_features,
                   active_rows=count, active_fraction=count / shape.rows)
       reference = jax.jit(sebp_backward("dense"))(*sets[0])
-      times = {}
-      for impl in impls:
-        got = jax.jit(sebp_backward(impl))(*sets[0])
-        times[impl] = (timer(sebp_backward(impl), sets, trials=reps), _relative_error(got, reference))
-      times[IDEAL] = (timer(ideal_backward, ideal_sets, trials=reps), None)
-      dense_ms = times["dense"][0] if "dense" in times else None
-      for impl, (ms, error) in times.items():
-        rows.append({**base, "impl": impl, "bwd_ms": ms,
-                     "speedup_vs_dense": dense_ms / ms if dense_ms else None,
-                     "rel_err_vs_dense": error})
+      errors = {impl: _relative_error(jax.jit(sebp_backward(impl))(*sets[0]), reference)
+                for impl in impls}
+      cases = {impl: (sebp_backward(impl), sets) for impl in impls}
+      samples = timer({**cases, IDEAL: (ideal_backward, ideal_sets)}, trials=reps)
+      times = {impl: statistics.median(ms) for impl, ms in samples.items()}
+      for impl, ms in samples.items():
+        # The median of per-round ratios: robust to the machine's speed drifting between rounds.
+        speedup = (statistics.median(d / t for d, t in zip(samples["dense"], ms))
+                   if "dense" in samples else None)
+        rows.append({**base, "impl": impl, "bwd_ms": times[impl], "speedup_vs_dense": speedup,
+                     "rel_err_vs_dense": errors.get(impl)})
       print(f"{shape_name:>14} {count / shape.rows:6.1%}  " + "  ".join(
-        f"{impl}={ms:.2f}ms" for impl, (ms, _) in times.items()), flush=True)
+        f"{impl}={ms:.2f}ms" for impl, ms in times.items()), flush=True)
   return rows
 
 

@@ -15,7 +15,8 @@ backward eagerly (Python, autograd and launch overhead included, as in an eager 
 on the host, so it cannot be captured and has none).
 
 Usage: ``python -m benchmarks.layer_torch --out benchmarks/results/torch_layer_<card>.json
-[--check] [--tune]``. Imports nothing from ``sebp_jax``.
+[--check] [--tune]``; a markdown table is written beside the JSON (``.md``). Imports nothing from
+``sebp_jax``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,28 @@ def tune(shape: Shape, fraction: float) -> None:
         print(f"tune {shape.name} f={fraction} {kernel}: default {default_ms:.3f}ms; best {best}")
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (shape, fraction): eager and CUDA-graph times of every impl, and the speedup."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_case.setdefault((row["shape"], row["M"], row["K"], row["N"], row["active_fraction"]), {})[row["impl"]] = row
+    graphed = [i for i in IMPLS if i != "sebp_torch"]
+    lines = [
+        f"Backward of one linear layer, bf16, {rows[0]['device']}; ms, median of do_bench. "
+        "Eager: called from Python; graph: replayed from a CUDA graph (GPU time only).",
+        "",
+        "| shape | M | K | N | active | " + " | ".join(f"{i} eager" for i in IMPLS) + " | "
+        + " | ".join(f"{i} graph" for i in graphed) + " | dense/sebp_triton (graph) |",
+        "|" + "---|" * (5 + len(IMPLS) + len(graphed) + 1),
+    ]
+    for (shape, m, k, n, fraction), impls in by_case.items():
+        eager = " | ".join(f"{impls[i]['bwd_ms']:.3f}" for i in IMPLS)
+        graph = " | ".join(f"{impls[i]['bwd_ms_cuda_graph']:.3f}" for i in graphed)
+        speedup = impls["dense"]["bwd_ms_cuda_graph"] / impls["sebp_triton"]["bwd_ms_cuda_graph"]
+        lines.append(f"| {shape} | {m} | {k} | {n} | {fraction:.0%} | {eager} | {graph} | {speedup:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file for the rows")
@@ -214,7 +237,10 @@ def main() -> None:
             del x, weight, dy
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} rows to {args.out}")
+    table_path = args.out.removesuffix(".json") + ".md"
+    with open(table_path, "w") as f:
+        f.write(markdown_table(rows))
+    print(f"wrote {len(rows)} rows to {args.out} and a table to {table_path}")
 
 
 if __name__ == "__main__":

@@ -17,15 +17,10 @@ import jax
 __all__ = ["device_time_ms", "environment"]
 
 
-def _wall_ms(fn, args, trials: int) -> float:
-  jax.block_until_ready(fn(args))  # compile and warm up
+def _timed_ms(fn, args) -> float:
+  start = time.perf_counter()
   jax.block_until_ready(fn(args))
-  samples = []
-  for _ in range(trials):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(args))
-    samples.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(samples)
+  return (time.perf_counter() - start) * 1e3
 
 
 def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
@@ -35,15 +30,19 @@ def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
   Args:
     fn: a traceable function.
     input_sets: ``reps >= 2`` distinct argument tuples (same shapes); all stay on the device.
-    trials: timed runs of each program; the median is taken.
+    trials: timed pairs of programs; the median of the per-pair slopes is taken.
   """
   reps = len(input_sets)
   if reps < 2:
     raise ValueError("device_time_ms: `input_sets` needs at least 2 argument tuples.")
   many = jax.jit(lambda sets: [fn(*args) for args in sets])
-  full = _wall_ms(many, list(input_sets), trials)
-  half = _wall_ms(many, list(input_sets[: reps // 2]), trials)
-  return max(full - half, 0.0) / (reps - reps // 2)
+  full, half = list(input_sets), list(input_sets[: reps // 2])
+  for args in (full, half, full, half):  # compile and warm up both programs
+    jax.block_until_ready(many(args))
+  # The two programs alternate, so a drift of clocks or of a neighbour's load hits both alike.
+  slopes = [(_timed_ms(many, full) - _timed_ms(many, half)) / (reps - reps // 2)
+            for _ in range(trials)]
+  return max(statistics.median(slopes), 0.0)
 
 
 def environment() -> dict:

@@ -22,7 +22,7 @@ from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
 from benchmarks.timing import device_time_ms, environment
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.backends import xla as xla_backend
-from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
+from sebp_jax.policy import RowPolicy, keep_mask
 
 _Config = pallas_backend.BlockConfig
 CANDIDATES = {
@@ -43,7 +43,7 @@ def _dense_bwd(x, w, dy):
 
 
 def _selection(dy):
-  return active_first_permutation(keep_mask(dy, RowPolicy()))
+  return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
 
 
 def _ideal(x_rows, w, dy_rows):

@@ -236,15 +236,16 @@ def test_autocast_bf16_matches_native_autocast():
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
 
 
-def test_torch_compile_of_surrounding_model():
-    gen = _generator("compile")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_of_surrounding_model(backend):
+    gen = _generator("compile", backend)
 
     model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, 31), torch.nn.GELU(), torch.nn.Linear(31, OUT_FEATURES)
     )
     patched = copy.deepcopy(model)
     assert apply_sebp(patched, impl="torch") == 2
-    compiled = torch.compile(patched, backend="aot_eager")
+    compiled = torch.compile(patched, backend=backend)
     x = torch.randn(4, 10, IN_FEATURES, generator=gen)
     mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None]
     for net in (model, compiled):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance", "assert_close"]
+__all__ = ["Tolerance", "TOLERANCES", "tolerance", "assert_close", "relative_error"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,28 @@ def assert_close(
       f"elements differ; worst at {tuple(int(i) for i in index)}: actual {got[index]!r}, "
       f"expected {want[index]!r} (|diff| {diff[index]:.3g}); max |diff| {diff.max():.3g}, "
       f"max rel diff {rel[bad].max():.3g}.")
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+  """Worst deviation relative to the reference's scale: ``max |actual - expected| / max |expected|``.
+
+  One number per comparison, for reports: taken over the entries where ``expected`` is finite
+  (NaN and Inf positions are :func:`assert_close`'s business); ``0.0`` for an exact match, and
+  ``inf`` where ``expected`` is all zero but ``actual`` is not.
+  """
+  got, _ = _to_float64(actual)
+  want, _ = _to_float64(expected)
+  if got.shape != want.shape:
+    raise ValueError(f"relative_error: shape {got.shape} != expected shape {want.shape}.")
+  finite = np.isfinite(want)
+  if not finite.any():
+    return 0.0
+  with np.errstate(invalid="ignore"):
+    diff = float(np.max(np.abs(got[finite] - want[finite])))
+  scale = float(np.max(np.abs(want[finite])))
+  if np.isnan(diff):  # a NaN where the reference is finite
+    return float("inf")
+  return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def _first(indices: np.ndarray) -> tuple[int, ...] | None:

@@ -1,0 +1,853 @@
+"""Whole-model training benchmarks, JAX and PyTorch side by side: the machinery both scripts share.
+
+:mod:`benchmarks.bert` and :mod:`benchmarks.llama` each describe one model (a :class:`ModelSpec`:
+the model in both frameworks, its loss, its batches and its workloads) and hand it to :func:`main`,
+which runs every variant of :data:`VARIANTS` on every workload and writes the results.
+
+Workloads
+  A workload is a distribution of real token lengths (sequences per dataset, counted by the
+  bundled tokenizers) at a fixed context. Each of its batches draws ``batch`` lengths from it with
+  a fixed seed; token ids are random (speed does not depend on them) but the padding is real.
+  Lengths are read from :data:`LENGTHS_FILE`, a small file made here once with
+  ``python -m benchmarks.workloads --export-lengths benchmarks/results/token_lengths.json`` (the
+  GPU machine has neither ``datasets`` nor the data packages); without it the data loaders of
+  :mod:`sebp_jax.data` are used. :func:`glue_lengths` synthesizes the paper's GLUE length
+  statistics, which have no offline text.
+
+Variants (:data:`VARIANTS`)
+  ``jax-dense`` (plain ``nn.Dense``), ``jax-sebp-pallas`` / ``jax-sebp-xla`` (:func:`swap_dense`
+  with the exact policy), ``jax-bound`` (:func:`free_linear_backward`: every linear layer's
+  backward costs nothing, the limit SEBP approaches), ``jax-dynamic`` (the dense model on each
+  batch cut to its own longest sequence, rounded up to a multiple: the padding-free bound, paid for
+  with one compilation per length bucket), ``torch-dense`` (Hugging Face, SDPA attention) and
+  ``torch-sebp`` (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA).
+
+Measurement
+  Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
+  only, and JAX's allocator peak, which cannot be reset, is the variant's own; JAX and torch never
+  share a GPU process). Times are medians over ``steps`` distinct batches after warm-up.
+
+  * JAX: three jitted programs, timed by wall clock around ``block_until_ready`` (a step lasts
+    milliseconds, its dispatch microseconds): ``fwd`` (the loss), ``step`` (loss, gradients and
+    the AdamW update, parameters and optimizer state donated) and ``opt`` (the AdamW update alone).
+    ``bwd_ms = step_ms - fwd_ms - opt_ms``: one program fewer to compile than timing
+    forward+backward on its own, which matters at 3B parameters.
+  * torch: CUDA events around the forward, ``backward()`` and ``optimizer.step()`` of one eager
+    training step (``perf_counter`` on CPU).
+  * ``peak_mem_bytes``: JAX ``memory_stats()['peak_bytes_in_use']`` after the batch size's
+    workloads (batch sizes run in ascending order, so the peak is that batch size's);
+    ``torch.cuda.max_memory_allocated`` after a reset per workload. ``None`` on CPU.
+  * ``compile_count``: traces of the jitted step (a Python counter in the traced function) that
+    the workload's batches needed: new ones plus the shapes an earlier workload had compiled.
+  * ``active_fraction``: real tokens over padded tokens: the fraction of linear-layer rows whose
+    output gradient is not zero.
+
+Parameters, gradients and AdamW moments are bfloat16 in both frameworks (torch's AdamW keeps its
+moments in the parameters' dtype, and optax's ``adamw`` does too), as in the paper's LLaMA run
+(25.98 GB at 3.2B parameters). Dropout is off: it costs every variant the same and would only add
+random-number work that differs between frameworks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = [
+  "LENGTHS_FILE", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "ModelSpec", "Row",
+  "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
+  "speedups", "markdown_table", "write_results", "main",
+]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LENGTHS_FILE = REPO / "benchmarks" / "results" / "token_lengths.json"
+
+# Tokenizer of each model family -> the bundled checkpoint whose tokenizer counts its tokens.
+# minilm's is bert-base-uncased's WordPiece vocabulary; SmolLM2's is a LLaMA-architecture BPE
+# (49,152 tokens against Llama-3's 128,256, so it counts somewhat more tokens per text).
+TOKENIZERS = {"bert": "minilm", "llama": "smollm2"}
+_EXPORT_PER_DATASET = 4000  # lengths kept per dataset (a sample of the larger ones)
+
+# The paper's Table 1: tokens per sample (average, minimum, maximum) of the GLUE tasks (BERT).
+GLUE_STATS: dict[str, tuple[int, int, int]] = {
+  "stsb": (27, 10, 125), "cola": (47, 4, 111), "wnli": (37, 16, 108), "mrpc": (53, 19, 103),
+  "rte": (66, 13, 128), "qqp": (30, 6, 128), "sst2": (13, 3, 66), "mnli": (39, 5, 128),
+}
+_GLUE_CONCENTRATION = 8.0  # Beta(a, b) with a + b = 8: right-skewed like real lengths
+
+LR, WEIGHT_DECAY = 1e-5, 0.01
+
+
+# ----------------------------------------------------------------------------- token lengths
+
+def export_lengths(path: pathlib.Path = LENGTHS_FILE, *, seed: int = 0) -> dict:
+  """Counts the tokens of every text of every task of :mod:`sebp_jax.data` with both tokenizers
+  and writes them to ``path`` (at most 4000 per dataset, sampled with ``seed``).
+
+  Needs ``datasets`` and the data and checkpoint packages; runs on a CPU in about a minute.
+  """
+  from sebp_jax import data
+
+  rng = np.random.default_rng(seed)
+  lengths: dict[str, dict[str, list[int]]] = {}
+  for family, checkpoint in TOKENIZERS.items():
+    tokenizer = data.bundled_tokenizer(checkpoint)
+    lengths[family] = {}
+    for task in data.TASKS:
+      counts = _count_tokens(task, tokenizer)
+      if counts.size > _EXPORT_PER_DATASET:
+        counts = rng.choice(counts, _EXPORT_PER_DATASET, replace=False)
+      lengths[family][task] = sorted(int(n) for n in counts)
+  payload = {
+    "description": "Untruncated token counts (special tokens included) of the texts of "
+                   "sebp_jax.data's tasks; made by `python -m benchmarks.workloads "
+                   "--export-lengths`.",
+    "tokenizers": {family: f"sebp_jax.data.bundled_tokenizer({name!r})"
+                   for family, name in TOKENIZERS.items()},
+    "lengths": lengths,
+  }
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(payload, separators=(",", ":")) + "\n")
+  return payload
+
+
+def dataset_lengths(family: str, task: str, path: pathlib.Path = LENGTHS_FILE) -> np.ndarray:
+  """Real token lengths ``(n,)`` of ``task``'s texts under ``family``'s tokenizer (``"bert"`` or
+  ``"llama"``): from ``path`` when it exists, else counted with :mod:`sebp_jax.data`."""
+  if family not in TOKENIZERS:
+    raise ValueError(f"`family` must be one of {tuple(TOKENIZERS)}, got {family!r}.")
+  if path.is_file():
+    table = json.loads(path.read_text())["lengths"][family]
+    if task not in table:
+      raise ValueError(f"`task` {task!r} is not in {path}; it has {sorted(table)}.")
+    return np.asarray(table[task], np.int64)
+  from sebp_jax import data
+
+  return _count_tokens(task, data.bundled_tokenizer(TOKENIZERS[family]))
+
+
+def _count_tokens(task: str, tokenizer: Any) -> np.ndarray:
+  """Untruncated token counts ``(n,)`` of every text of ``task`` (:mod:`sebp_jax.data`)."""
+  from sebp_jax import data
+
+  # `tokenize` counts before truncating; the short `max_length` only keeps its id arrays small.
+  tokenized = data.tokenize(data.load_task(task), tokenizer, max_length=8)
+  return np.asarray(tokenized["length"], np.int64)
+
+
+def glue_lengths(task: str, n: int = 4000, *, seed: int = 0) -> np.ndarray:
+  """``n`` lengths matching the paper's Table 1 statistics of a GLUE task (:data:`GLUE_STATS`).
+
+  ``min + (max - min) * Beta(a, b)``, rounded, with ``a / (a + b)`` set so that the expected
+  length is the table's average and ``a + b = 8`` (a right-skewed shape, like real length
+  distributions). Every length lies in ``[min, max]``; the sample mean is within a token of the
+  average.
+  """
+  if task not in GLUE_STATS:
+    raise ValueError(f"`task` must be one of {tuple(GLUE_STATS)}, got {task!r}.")
+  avg, low, high = GLUE_STATS[task]
+  mean = (avg - low) / (high - low)
+  a, b = mean * _GLUE_CONCENTRATION, (1 - mean) * _GLUE_CONCENTRATION
+  draws = np.random.default_rng(seed).beta(a, b, size=n)
+  return np.clip(np.rint(low + (high - low) * draws), low, high).astype(np.int64)
+
+
+def sample_lengths(pool: np.ndarray, *, batch: int, seq_len: int, n_batches: int,
+                   seed: int) -> np.ndarray:
+  """``(n_batches, batch)`` lengths drawn with replacement from ``pool``, truncated to
+  ``seq_len`` (as a tokenizer with ``truncation=True`` does)."""
+  pool = np.asarray(pool)
+  if pool.ndim != 1 or pool.size == 0 or pool.min() < 1:
+    raise ValueError("`pool` must be a non-empty 1-D array of positive lengths.")
+  rng = np.random.default_rng(seed)
+  return np.minimum(rng.choice(pool, size=(n_batches, batch)), seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A named distribution of real token lengths (``pool``) that batches are drawn from."""
+
+  name: str
+  dataset: str
+  pool: np.ndarray
+
+  def lengths(self, batch: int, seq_len: int, n_batches: int) -> np.ndarray:
+    """``(n_batches, batch)`` lengths, the same on every run and in every variant."""
+    seed = zlib.crc32(f"{self.name}/{batch}".encode())
+    return sample_lengths(self.pool, batch=batch, seq_len=seq_len, n_batches=n_batches, seed=seed)
+
+
+# ----------------------------------------------------------------------------- variants
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, and its ``impl``."""
+
+  name: str
+  framework: str
+  impl: str
+
+
+# In the order they run: the most telling first, in case the time budget cuts a run short.
+VARIANTS: tuple[Variant, ...] = (
+  Variant("jax-dense", "jax", "dense"),
+  Variant("jax-sebp-pallas", "jax", "pallas"),
+  Variant("jax-bound", "jax", "bound"),
+  Variant("torch-dense", "torch", "dense"),
+  Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
+  Variant("jax-dynamic", "jax", "dynamic"),
+  Variant("jax-sebp-xla", "jax", "xla"),
+)
+BASELINE = "jax-dense"
+
+
+def _free_matmul_fwd(x, kernel):
+  from jax import lax
+
+  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), (x, kernel)
+
+
+def _free_matmul_bwd(residuals, dy):
+  import jax.numpy as jnp
+  from jax import lax
+
+  x, kernel = residuals  # read for their shapes only: XLA drops them as residuals
+  # Zero gradients that XLA cannot see through: `dy` is still computed (the barrier consumes it)
+  # and the layers below still run their backward (attention, activations, norms), as they do
+  # under SEBP. Plain zeros would let XLA delete every backward op that only feeds a linear one.
+  dx, dkernel, _ = lax.optimization_barrier(
+    (jnp.zeros(x.shape, x.dtype), jnp.zeros(kernel.shape, kernel.dtype), dy))
+  return dx, dkernel
+
+
+def _free_matmul():
+  import jax
+
+  matmul = jax.custom_vjp(lambda x, kernel: _free_matmul_fwd(x, kernel)[0])
+  matmul.defvjp(_free_matmul_fwd, _free_matmul_bwd)
+  return matmul
+
+
+def _free_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """``lax.dot_general`` whose backward (for ``x (..., K) @ kernel (K, N)``) costs nothing."""
+  from jax import lax
+
+  if (rhs.ndim == 2 and preferred_element_type is None
+      and tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,))
+      and not any(dimension_numbers[1])):
+    return _free_matmul()(lhs, rhs)
+  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+@contextlib.contextmanager
+def free_linear_backward() -> Iterator[None]:
+  """Every ``nn.Dense`` (and ``nn.Embed.attend``) traced inside gets a free backward.
+
+  The forward is the plain matmul; the backward returns zero ``dx`` and ``dkernel`` without any
+  matmul (the bias gradient, a row sum, is still computed, as SEBP computes it). The rest of the
+  backward runs as usual, so a model's step under this context is the fastest any SEBP backend
+  could make it: the bound of the ``jax-bound`` variant.
+  """
+  import flax.linen as nn
+
+  def interceptor(next_fun, args, kwargs, context):
+    module, method = context.module, context.method_name
+    if (type(module) is nn.Dense and method == "__call__" and module.dot_general is None
+        and module.dot_general_cls is None):
+      object.__setattr__(module, "dot_general", _free_dot_general)
+      try:
+        return next_fun(*args, **kwargs)
+      finally:
+        object.__setattr__(module, "dot_general", None)
+    if type(module) is nn.Embed and method == "attend":
+      (query,) = args
+      query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+      return _free_dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def _jax_context(variant: Variant) -> contextlib.AbstractContextManager:
+  """The context the loss is traced in: which backward every linear layer gets."""
+  from sebp_jax import RowPolicy, swap_dense
+
+  if variant.impl in ("pallas", "xla"):
+    return swap_dense(RowPolicy(), impl=variant.impl)
+  if variant.impl == "bound":
+    return free_linear_backward()
+  return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- model specs
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """One benchmarked model, in both frameworks.
+
+  Attributes:
+    name: the script's module name under ``benchmarks`` (``"bert"``) and the result files' stem.
+    seq_len: the padded context.
+    batch_sizes: benchmarked batch sizes.
+    dynamic_multiple: ``jax-dynamic`` pads each batch to its longest sequence rounded up to this.
+    workloads: the length distributions to run.
+    make_batch: ``(lengths (B,), seq_len, rng) -> {name: int32 array}``: inputs and labels,
+      right-padded to ``seq_len``; ``jax-dynamic`` cuts the ``(B, seq_len)`` ones along axis 1.
+    jax_module: builds the flax module (bfloat16 parameters and computation).
+    jax_loss: ``(module, params, batch) -> scalar``: the training loss.
+    torch_model: ``(device) -> torch module`` in bfloat16, whose ``forward(**batch).loss`` is the
+      same loss.
+  """
+
+  name: str
+  seq_len: int
+  batch_sizes: tuple[int, ...]
+  dynamic_multiple: int
+  workloads: tuple[Workload, ...]
+  make_batch: Callable[[np.ndarray, int, np.random.Generator], Batch]
+  jax_module: Callable[[], Any]
+  jax_loss: Callable[[Any, Any, Batch], Any]
+  torch_model: Callable[[str], Any]
+
+
+@dataclasses.dataclass
+class Row:
+  """One result: a variant on a workload at one batch size. Times in ms; ``None`` if not run."""
+
+  workload: str
+  dataset: str
+  framework: str
+  impl: str
+  variant: str
+  batch: int
+  seq_len: int
+  active_fraction: float
+  fwd_ms: float | None = None
+  bwd_ms: float | None = None
+  opt_ms: float | None = None
+  step_ms: float | None = None
+  peak_mem_bytes: int | None = None
+  compile_count: int | None = None
+  compile_s: float | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How long to measure: ``warmup`` untimed steps, then ``steps`` timed distinct batches."""
+
+  warmup: int
+  steps: int
+
+
+def _batches(spec: ModelSpec, workload: Workload, batch: int, settings: Settings,
+             dynamic: bool) -> tuple[list[Batch], float]:
+  """The workload's batches (warm-up ones first) and their active fraction."""
+  n = settings.warmup + settings.steps
+  lengths = workload.lengths(batch, spec.seq_len, n)
+  rng = np.random.default_rng(zlib.crc32(workload.name.encode()))
+  batches = []
+  for row_lengths in lengths:
+    arrays = spec.make_batch(row_lengths, spec.seq_len, rng)
+    if dynamic:
+      width = min(spec.seq_len, -(-int(row_lengths.max()) // spec.dynamic_multiple)
+                  * spec.dynamic_multiple)
+      arrays = {k: v[:, :width] if v.ndim == 2 and v.shape[1] == spec.seq_len else v
+                for k, v in arrays.items()}
+    batches.append(arrays)
+  return batches, float(lengths.sum() / lengths.size / spec.seq_len)
+
+
+def _median(samples: Sequence[float]) -> float:
+  return float(statistics.median(samples))
+
+
+# ----------------------------------------------------------------------------- JAX runner
+
+def _random_params(module, spec: ModelSpec, seed: int = 0):
+  """Random bfloat16 parameters without compiling ``init``: normal(0.02) matrices, unit scales,
+  zero biases. Shapes come from ``jax.eval_shape``; speed does not depend on the values."""
+  import jax
+  import jax.numpy as jnp
+
+  example = spec.make_batch(np.full((1,), 2), 8, np.random.default_rng(0))
+  shapes = jax.eval_shape(lambda: module.init(
+    jax.random.key(0), example["input_ids"], example["attention_mask"]))
+
+  def fill(path, leaf, key):
+    name = getattr(path[-1], "key", "")
+    if name == "scale":
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if name == "bias":
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    return (0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
+
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  make = jax.jit(lambda keys: treedef.unflatten(
+    [fill(path, leaf, key) for (path, leaf), key in zip(leaves, keys)]))
+  return make(keys)
+
+
+def _wall_ms(fn: Callable[[], Any]) -> float:
+  import jax
+
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return (time.perf_counter() - start) * 1e3
+
+
+def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
+  """Runs ``variant`` on every workload and batch size.
+
+  Yields the environment (:func:`benchmarks.timing.environment`), then each row as soon as it is
+  measured; rows are completed in place afterwards (``peak_mem_bytes`` once their batch size is
+  done, ``opt_ms`` and ``bwd_ms`` at the end), so a consumer serializes them when the generator
+  is exhausted, and also on the way to keep what a crash would lose.
+  """
+  import jax
+  import optax
+
+  from benchmarks.timing import environment
+
+  yield environment()
+  module = spec.jax_module()
+  params = _random_params(module, spec)
+  optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+  opt_state = optimizer.init(params)
+  traces = {"fwd": 0, "step": 0}
+
+  def loss(params, batch, program):
+    traces[program] += 1  # runs once per trace: the compile counter
+    with _jax_context(variant):
+      return spec.jax_loss(module, params, batch)
+
+  def update(params, opt_state, grads):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch, "step")
+    return (*update(params, opt_state, grads), value)
+
+  fwd_fn = jax.jit(lambda params, batch: loss(params, batch, "fwd"))
+  step_fn = jax.jit(step, donate_argnums=(0, 1))
+  dynamic = variant.impl == "dynamic"
+  rows: list[Row] = []
+  for batch_size in sorted(spec.batch_sizes):
+    compiled: set[tuple] = set()  # input shapes the step has been compiled for
+    batch_rows = []
+    for workload in spec.workloads:
+      batches, active = _batches(spec, workload, batch_size, settings, dynamic)
+      if dynamic and active == 1.0:
+        continue  # nothing to cut: the dynamic variant is jax-dense there
+      row = Row(workload.name, workload.dataset, "jax", variant.impl, variant.name, batch_size,
+                spec.seq_len, active)
+      batch_rows.append(row)
+      try:
+        device_batches = [jax.device_put(b) for b in batches]
+        # Compile every shape this workload needs (one first batch of each) outside the timing.
+        firsts = {tuple(b["input_ids"].shape): b for b in reversed(device_batches)}
+        row.compile_count = len(firsts.keys() & compiled)  # compiled by an earlier workload
+        row.compile_s = 0.0
+        for b in firsts.values():
+          before, start = traces["step"], time.perf_counter()
+          jax.block_until_ready(fwd_fn(params, b))
+          params, opt_state, _ = jax.block_until_ready(step_fn(params, opt_state, b))
+          if traces["step"] > before:
+            row.compile_count += traces["step"] - before
+            row.compile_s += time.perf_counter() - start
+        compiled |= firsts.keys()
+        for b in device_batches[:settings.warmup]:
+          params, opt_state, _ = step_fn(params, opt_state, b)
+        timed = device_batches[settings.warmup:]
+        row.fwd_ms = _median([_wall_ms(lambda: fwd_fn(params, b)) for b in timed])
+        step_times = []
+        for b in timed:
+          start = time.perf_counter()
+          params, opt_state, value = step_fn(params, opt_state, b)
+          jax.block_until_ready(value)
+          step_times.append((time.perf_counter() - start) * 1e3)
+        row.step_ms = _median(step_times)
+      except Exception as e:  # recorded; the next workload runs (if the state survived)
+        row.error = _error_text(e)
+      yield row
+    stats = jax.devices()[0].memory_stats() or {}
+    for row in batch_rows:
+      row.peak_mem_bytes = stats.get("peak_bytes_in_use")
+    rows += batch_rows
+
+  # The AdamW update alone, last: its zero gradients would otherwise count in the peaks above.
+  try:
+    update_fn = jax.jit(update, donate_argnums=(0, 1))
+    grads = jax.tree_util.tree_map(jax.numpy.zeros_like, params)
+    times = []
+    for _ in range(settings.warmup + settings.steps + 1):
+      start = time.perf_counter()
+      params, opt_state = jax.block_until_ready(update_fn(params, opt_state, grads))
+      times.append((time.perf_counter() - start) * 1e3)
+    opt_ms = _median(times[1 + settings.warmup:])  # the first call compiles
+  except Exception as e:
+    for row in rows:
+      row.error = row.error or f"optimizer timing: {_error_text(e)}"
+    return
+  for row in rows:
+    if row.error is None:
+      row.opt_ms = opt_ms
+      row.bwd_ms = row.step_ms - row.fwd_ms - opt_ms
+
+
+# ----------------------------------------------------------------------------- torch runner
+
+class _TorchClock:
+  """Timestamps on the device's timeline: CUDA events, or ``perf_counter`` on CPU."""
+
+  def __init__(self, torch, device: str):
+    self.torch, self.cuda = torch, device.startswith("cuda")
+
+  def mark(self):
+    if self.cuda:
+      event = self.torch.cuda.Event(enable_timing=True)
+      event.record()
+      return event
+    return time.perf_counter()
+
+  def ms(self, start, end) -> float:
+    return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict]) -> list[tuple]:
+  """Runs one training step per batch; returns its (start, forward done, backward done, end)."""
+  marks = []
+  for batch in batches:
+    t0 = clock.mark()
+    loss = model(**batch).loss
+    t1 = clock.mark()
+    loss.backward()
+    t2 = clock.mark()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    marks.append((t0, t1, t2, clock.mark()))
+  return marks
+
+
+def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
+  """Runs ``variant`` (torch) on every workload and batch size; yields the device, then rows."""
+  import torch
+
+  from sebp_torch_ref import RowPolicy, apply_sebp
+
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  yield {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+         "platform": device}
+  torch.manual_seed(0)
+  model = spec.torch_model(device)
+  impl = variant.impl
+  if impl != "dense":
+    impl = impl if device == "cuda" else "torch"  # Triton needs CUDA (or its interpreter)
+    apply_sebp(model, RowPolicy(), impl=impl)
+  model.train()
+  optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+  clock = _TorchClock(torch, device)
+  for batch_size in sorted(spec.batch_sizes):
+    for workload in spec.workloads:
+      batches, active = _batches(spec, workload, batch_size, settings, dynamic=False)
+      row = Row(workload.name, workload.dataset, "torch", impl, variant.name, batch_size,
+                spec.seq_len, active)
+      try:
+        device_batches = [{k: torch.from_numpy(v).long().to(device) for k, v in b.items()}
+                          for b in batches]
+        if device == "cuda":
+          torch.cuda.synchronize()
+          torch.cuda.reset_peak_memory_stats()
+        timed = _torch_marks(model, optimizer, clock, device_batches)[settings.warmup:]
+        if device == "cuda":
+          torch.cuda.synchronize()
+          row.peak_mem_bytes = torch.cuda.max_memory_allocated()
+        row.fwd_ms = _median([clock.ms(t0, t1) for t0, t1, _, _ in timed])
+        row.bwd_ms = _median([clock.ms(t1, t2) for _, t1, t2, _ in timed])
+        row.opt_ms = _median([clock.ms(t2, t3) for _, _, t2, t3 in timed])
+        row.step_ms = _median([clock.ms(t0, t3) for t0, _, _, t3 in timed])
+      except Exception as e:  # recorded; the next workload runs
+        row.error = _error_text(e)
+        optimizer.zero_grad(set_to_none=True)
+      if row.error is not None and device == "cuda":
+        torch.cuda.empty_cache()  # the failed step's graph is gone once the exception is
+      yield row
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _error_text(error: BaseException) -> str:
+  return f"{type(error).__name__}: {str(error).strip()[:500]}"
+
+
+def _versions() -> dict[str, str | None]:
+  """Library versions, read from package metadata (importing them here would grab the GPU)."""
+  out = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "transformers"):
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def _error_rows(spec: ModelSpec, variant: Variant, settings: Settings, error: str) -> list[Row]:
+  rows = []
+  for batch_size in sorted(spec.batch_sizes):
+    for workload in spec.workloads:
+      lengths = workload.lengths(batch_size, spec.seq_len, settings.warmup + settings.steps)
+      rows.append(Row(workload.name, workload.dataset, variant.framework, variant.impl,
+                      variant.name, batch_size, spec.seq_len,
+                      float(lengths.mean() / spec.seq_len), error=error))
+  return rows
+
+
+def _run_variant(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
+  runner = run_jax if variant.framework == "jax" else run_torch
+  return runner(spec, variant, settings)
+
+
+def _worker(spec: ModelSpec, variant: Variant, settings: Settings, out: pathlib.Path) -> None:
+  """Subprocess entry: runs one variant, rewriting ``out`` after every row (a crash keeps them)."""
+  environment, rows = None, []
+
+  def write():
+    out.write_text(json.dumps({"environment": environment,
+                               "rows": [dataclasses.asdict(r) for r in rows]}))
+
+  for item in _run_variant(spec, variant, settings):
+    if isinstance(item, Row):
+      rows.append(item)
+    else:
+      environment = item
+    write()
+  write()  # the runner completes rows in place after yielding them
+
+
+def _in_subprocess(spec: ModelSpec, variant: Variant, settings: Settings, argv: Sequence[str],
+                   timeout: float) -> tuple[dict | None, list[Row]]:
+  """Runs one variant through ``python -m benchmarks.<spec.name> --worker``; rows it did not
+  finish become error rows carrying the end of its stderr."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "rows.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # The JAX allocator takes 75 % of the GPU by default; LLaMA-3B at batch 4 needs more.
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    command = [sys.executable, "-m", f"benchmarks.{spec.name}", *argv,
+               "--worker", variant.name, "--worker-out", str(out)]
+    error = None
+    try:
+      done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout, capture_output=True,
+                            text=True)
+      if done.returncode != 0:
+        error = f"worker exited with {done.returncode}: {done.stderr.strip()[-800:]}"
+    except subprocess.TimeoutExpired:
+      error = f"worker timed out after {timeout:.0f} s"
+    result = json.loads(out.read_text()) if out.is_file() else {"environment": None, "rows": []}
+  rows = [Row(**r) for r in result["rows"]]
+  if error is not None:
+    print(f"  {variant.name}: {error}", file=sys.stderr)
+    finished = {(r.workload, r.batch) for r in rows}
+    rows += [r for r in _error_rows(spec, variant, settings, error)
+             if (r.workload, r.batch) not in finished]
+  return result["environment"], rows
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog=prog, description="Training-step time and memory of every variant on every workload.")
+  parser.add_argument("--out-dir", type=pathlib.Path, default=REPO / "benchmarks" / "results")
+  parser.add_argument("--tiny", action="store_true",
+                      help="a tiny model, context and batch (CPU smoke runs)")
+  parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS],
+                      default=[v.name for v in VARIANTS])
+  parser.add_argument("--workloads", nargs="+", metavar="NAME",
+                      help="run only these workloads (default: all)")
+  parser.add_argument("--batches", nargs="+", type=int, metavar="B",
+                      help="run only these batch sizes (default: the script's)")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps per workload")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps (distinct batches)")
+  parser.add_argument("--in-process", action="store_true",
+                      help="run the variants in this process (CPU only: JAX and torch would "
+                           "share a GPU, and the JAX memory peak would be cumulative)")
+  parser.add_argument("--variant-timeout", type=float, default=300.0,
+                      help="seconds before a variant's subprocess is stopped")
+  parser.add_argument("--time-budget", type=float, default=540.0,
+                      help="seconds for the whole run: a variant gets at most what is left, "
+                           "and variants with nothing left become error rows")
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--worker-out", type=pathlib.Path, help=argparse.SUPPRESS)
+  return parser
+
+
+def _select(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+  workloads = spec.workloads
+  if args.workloads:
+    known = {w.name for w in workloads}
+    unknown = set(args.workloads) - known
+    if unknown:
+      raise SystemExit(f"--workloads: unknown {sorted(unknown)}; known: {sorted(known)}")
+    workloads = tuple(w for w in workloads if w.name in args.workloads)
+  batch_sizes = tuple(args.batches) if args.batches else spec.batch_sizes
+  if min(batch_sizes) < 1:
+    raise SystemExit("--batches: batch sizes must be >= 1")
+  return dataclasses.replace(spec, workloads=workloads, batch_sizes=batch_sizes)
+
+
+def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) -> list[Row]:
+  """Command line of a model script: ``build(tiny)`` gives its :class:`ModelSpec`."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _parser(f"python -m {build.__module__}").parse_args(argv)
+  spec = _select(build(args.tiny), args)
+  if args.warmup < 0 or args.steps < 1:
+    raise SystemExit("--warmup must be >= 0 and --steps >= 1")
+  settings = Settings(args.warmup, args.steps)
+  by_name = {v.name: v for v in VARIANTS}
+  if args.worker:
+    _worker(spec, by_name[args.worker], settings, args.worker_out)
+    return []
+
+  forwarded = [a for a in argv if a != "--in-process"]
+  header: dict[str, Any] = {"benchmark": spec.name, "gpu": None, "platform": None,
+                            "dtype": "bfloat16", "seq_len": spec.seq_len,
+                            "batch_sizes": list(spec.batch_sizes), "warmup": settings.warmup,
+                            "steps": settings.steps, "versions": _versions(), "rows": []}
+  stem = f"{spec.name}_tiny" if args.tiny else spec.name
+  rows: list[Row] = []
+  deadline = time.perf_counter() + args.time_budget
+  for name in [v.name for v in VARIANTS if v.name in args.variants]:
+    variant = by_name[name]
+    print(f"{spec.name}: {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    left = deadline - start
+    if left < 10:
+      environment = None
+      variant_rows = _error_rows(spec, variant, settings, "skipped: --time-budget spent")
+    elif args.in_process:
+      environment, variant_rows = None, []
+      try:
+        for item in _run_variant(spec, variant, settings):
+          if isinstance(item, Row):
+            variant_rows.append(item)
+          else:
+            environment = item
+      except Exception as e:
+        traceback.print_exc()
+        done = {(r.workload, r.batch) for r in variant_rows}
+        variant_rows += [r for r in _error_rows(spec, variant, settings, _error_text(e))
+                         if (r.workload, r.batch) not in done]
+    else:
+      environment, variant_rows = _in_subprocess(spec, variant, settings, forwarded,
+                                                 min(args.variant_timeout, left))
+    print(f"  {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    if environment and (header["gpu"] is None or variant.framework == "jax"):
+      header["gpu"], header["platform"] = environment["device"], environment["platform"]
+    rows += variant_rows
+    header["rows"] = [dataclasses.asdict(r) for r in rows]
+    write_results(args.out_dir, stem, header)  # after every variant: a cut-off run keeps its rows
+  return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def speedups(rows: Sequence[dict]) -> dict[tuple, tuple[float | None, float | None]]:
+  """``(workload, batch, variant) -> (bwd speedup, step speedup)`` against :data:`BASELINE`."""
+  base = {(r["workload"], r["batch"]): r for r in rows
+          if r["variant"] == BASELINE and r["error"] is None}
+  out = {}
+  for r in rows:
+    b = base.get((r["workload"], r["batch"]))
+    if b is None or r["error"] is not None:
+      out[(r["workload"], r["batch"], r["variant"])] = (None, None)
+      continue
+    ratio = lambda key: b[key] / r[key] if r[key] and r[key] > 0 else None  # noqa: E731
+    out[(r["workload"], r["batch"], r["variant"])] = (ratio("bwd_ms"), ratio("step_ms"))
+  return out
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+  return "–" if value is None else format(value, spec)
+
+
+def markdown_table(result: dict) -> str:
+  """The rows as a markdown table, with speedups against ``jax-dense``."""
+  rows = result["rows"]
+  ratios = speedups(rows)
+  lines = [
+    f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
+    "",
+    f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
+    "Speedups are jax-dense's time over the variant's. "
+    "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".",
+    "",
+    "| workload | batch | active % | variant | fwd ms | bwd ms | opt ms | step ms | bwd × "
+    "| step × | peak GB | compiles | error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    bwd_x, step_x = ratios[(r["workload"], r["batch"], r["variant"])]
+    peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 1e9
+    error = (r["error"] or "").replace("|", "/").replace("\n", " ")[:120]
+    lines.append(
+      f"| {r['workload']} | {r['batch']} | {100 * r['active_fraction']:.1f} | {r['variant']} "
+      f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['opt_ms'])} "
+      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(step_x)} | {_fmt(peak)} "
+      f"| {_fmt(r['compile_count'], 'd')} | {error} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_results(out_dir: pathlib.Path, stem: str, result: dict) -> list[pathlib.Path]:
+  """Writes ``<stem>.json``, ``<stem>.md`` and the figures of :mod:`benchmarks.figures`."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  json_path = out_dir / f"{stem}.json"
+  json_path.write_text(json.dumps(result, indent=1) + "\n")
+  md_path = out_dir / f"{stem}.md"
+  md_path.write_text(markdown_table(result))
+  written = [json_path, md_path]
+  try:
+    from benchmarks import figures
+  except ImportError as e:  # matplotlib missing: `python -m benchmarks.figures` renders them later
+    print(f"figures skipped ({e})", file=sys.stderr)
+    return written
+  return written + figures.render(result, out_dir, stem)
+
+
+def _export_main() -> None:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.workloads")
+  parser.add_argument("--export-lengths", type=pathlib.Path, required=True, metavar="PATH",
+                      help=f"write the token lengths file (default place: {LENGTHS_FILE})")
+  args = parser.parse_args()
+  payload = export_lengths(args.export_lengths)
+  for family, tasks in payload["lengths"].items():
+    for task, lengths in tasks.items():
+      print(f"{family:5s} {task:16s} n={len(lengths):5d} mean={np.mean(lengths):6.1f} "
+            f"max={max(lengths)}")
+  print(f"wrote {args.export_lengths} ({args.export_lengths.stat().st_size / 1e3:.0f} kB)")
+
+
+if __name__ == "__main__":
+  _export_main()
