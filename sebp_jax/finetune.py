@@ -21,6 +21,7 @@ traced once whatever the padding: the summary reports the trace count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -45,7 +46,8 @@ from sebp_jax.models import (BertConfig, BertForSequenceClassification, LlamaCon
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["UsageError", "ModelSpec", "MODELS", "TASKS", "DTYPES", "FinetuneConfig",
-           "AnalyzeConfig", "parse_policy", "format_policy", "finetune", "analyze"]
+           "AnalyzeConfig", "parse_policy", "finetune", "analyze",
+           "load_run_config"]
 
 Params = dict[str, Any]
 Batch = dict[str, np.ndarray]
@@ -181,31 +183,18 @@ def parse_policy(text: str) -> RowPolicy:
   if text == "exact":
     return RowPolicy()
   fields: dict[str, Any] = {}
-  for item in text.split(","):
-    key, sep, value = item.partition("=")
-    try:
-      if key == "threshold" and sep:
-        fields["threshold"] = float(value)
-      elif key == "max-rows" and sep:
-        fields["max_rows"] = int(value)
-      else:
-        raise ValueError(item)
-      return_value = RowPolicy(**fields)
-    except (TypeError, ValueError) as e:
-      raise UsageError(
-        f"--policy {text!r} is not exact, threshold=EPS (EPS >= 0), max-rows=K (K >= 1) or "
-        f"threshold=EPS,max-rows=K ({e})") from None
-  return return_value
-
-
-def format_policy(policy: RowPolicy) -> str:
-  """The ``--policy`` text of ``policy`` (inverse of :func:`parse_policy`)."""
-  parts = []
-  if policy.threshold:
-    parts.append(f"threshold={policy.threshold!r}")
-  if policy.max_rows is not None:
-    parts.append(f"max-rows={policy.max_rows}")
-  return ",".join(parts) or "exact"
+  try:
+    for item in text.split(","):
+      key, sep, value = item.partition("=")
+      field = {"threshold": "threshold", "max-rows": "max_rows"}.get(key)
+      if field is None or not sep or field in fields:
+        raise ValueError(f"unexpected {item!r}")
+      fields[field] = float(value) if field == "threshold" else int(value)
+    return RowPolicy(**fields)
+  except (TypeError, ValueError) as e:
+    raise UsageError(
+      f"--policy {text!r} is not exact, threshold=EPS (EPS >= 0), max-rows=K (K >= 1) or "
+      f"threshold=EPS,max-rows=K ({e})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +408,9 @@ def _first_line(error: BaseException) -> str:
 
 def _optimizer(config: FinetuneConfig) -> optax.GradientTransformation:
   warmup = max(1, config.steps // 10)
-  schedule = optax.warmup_linear_decay_schedule(0.0, config.learning_rate, warmup, config.steps)
+  schedule = optax.join_schedules(
+    [optax.linear_schedule(0.0, config.learning_rate, warmup),
+     optax.linear_schedule(config.learning_rate, 0.0, max(1, config.steps - warmup))], [warmup])
   return optax.adamw(schedule, weight_decay=config.weight_decay)
 
 
@@ -451,15 +442,18 @@ def _make_train_step(loss, optimizer, policy: RowPolicy | None, impl: str):
   return jax.jit(step, donate_argnums=0), traces
 
 
-def _is_oom(error: BaseException) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
-def _oom_error(config: _DataConfig) -> UsageError:
-  return UsageError(
-    f"a batch of {config.batch_size} x {config.max_length} tokens of {config.model} does not fit "
-    f"in {jax.devices()[0].platform.upper()} memory; lower --batch-size or --max-length")
+@contextlib.contextmanager
+def _out_of_memory_is_usage_error(config: _DataConfig) -> Iterator[None]:
+  """Turns XLA's out-of-memory error (at compile or run time) into a :class:`UsageError`."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+      raise
+    raise UsageError(
+      f"a batch of {config.batch_size} x {config.max_length} tokens of {config.model} does not "
+      f"fit in {jax.devices()[0].platform.upper()} memory; lower --batch-size or --max-length"
+    ) from None
 
 
 def _peak_memory() -> tuple[str, int]:
@@ -513,7 +507,7 @@ def _train(config, setup, variant, run_dir, metrics, log) -> dict[str, Any]:
   times = []
   bar = tqdm(total=config.steps, initial=start, desc=f"{variant:>5}", unit="step",
              dynamic_ncols=True, disable=None)
-  try:
+  with bar:
     for step in range(start, config.steps):
       batch = setup.batch(step, config.batch_size, config.seed)
       began = time.perf_counter()
@@ -524,19 +518,12 @@ def _train(config, setup, variant, run_dir, metrics, log) -> dict[str, Any]:
                      "step_time_s": times[-1]})
       bar.set_postfix(loss=f"{loss:.4f}", step_ms=f"{times[-1] * 1e3:.0f}")
       bar.update()
-  except jax.errors.JaxRuntimeError as e:
-    if _is_oom(e):
-      raise _oom_error(config) from None
-    raise
-  finally:
-    bar.close()
   if times:
     _save(checkpoint, state)
   # The first step of a session includes compilation; the rest are steady state.
   steady = times[1:] or times
   return {"params": state["params"], "traces": len(traces), "steps_run": len(times),
           "step_ms": statistics.median(steady) * 1e3 if steady else None,
-          "compile_s": times[0] - (statistics.median(steady) if steady else 0) if times else None,
           "memory": _peak_memory()}
 
 
@@ -636,32 +623,28 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _summary_lines(config: FinetuneConfig, summary: dict) -> list[str]:
-  variants = [v for v in VARIANTS if v in summary["runs"]]
-  rows: list[tuple[str, ...]] = []
-  metric = next(iter(summary["runs"][variants[0]]["eval"]))
-  rows.append((f"held-out {metric}",
-               *(f"{summary['runs'][v]['eval'][metric]:.4f}" for v in variants)))
-  timing = summary["timing"]
-  speedup = timing["dense"]["backward_ms"] / max(timing["sebp"]["backward_ms"], 1e-9)
-  cols = variants if "dense" in variants else ["sebp", "dense"]
-  timed = {"forward (ms)": "forward_ms", "backward (ms)": "backward_ms"}
-  header = ("", *cols)
-  table = [header]
-  for label, key in timed.items():
-    table.append((label, *(f"{timing[v][key]:.1f}" for v in cols)))
-  for label, key, fmt in (("train step (ms)", "step_ms", "{:.1f}"),
-                          ("compile count (step traces)", "traces", "{}")):
-    table.append((label, *(fmt.format(summary["runs"][v][key])
-                           if summary["runs"].get(v, {}).get(key) is not None else "-"
-                           for v in cols)))
-  table.append((summary["memory_kind"], *(_fmt_bytes(summary["runs"][v]["memory"])
-                                          if v in summary["runs"] else "-" for v in cols)))
-  table.insert(1, (rows[0][0], *(f"{summary['runs'][v]['eval'][metric]:.4f}"
-                                 if v in summary["runs"] else "-" for v in cols)))
-  width = max(len(r[0]) for r in table)
-  lines = [f"{r[0]:<{width}}  " + "  ".join(f"{c:>10}" for c in r[1:]) for r in table]
-  lines.append(f"backward speedup of SEBP over dense: {speedup:.2f}x "
-               f"(SEBP policy {config.policy}, impl {summary['impl']}, {summary['device']})")
+  """The summary table: one column per variant (dense timed even when not trained)."""
+  runs, timing = summary["runs"], summary["timing"]
+  variants = ("dense", "sebp")
+  metric = next(iter(runs["sebp"]["eval"]))
+
+  def run_cells(key: str, fmt: Callable[[Any], str]) -> tuple[str, ...]:
+    return tuple(fmt(runs[v][key]) if runs.get(v, {}).get(key) is not None else "-"
+                 for v in variants)
+
+  table = [
+    ("", "dense", "SEBP"),
+    (f"held-out {metric}", *run_cells("eval", lambda e: f"{e[metric]:.4f}")),
+    *((label, *(f"{timing[v][key]:.1f}" for v in variants))
+      for label, key in (("forward (ms)", "forward_ms"), ("backward (ms)", "backward_ms"))),
+    ("train step (ms)", *run_cells("step_ms", lambda t: f"{t:.1f}")),
+    ("compile count (step traces)", *run_cells("traces", str)),
+    (summary["memory_kind"], *run_cells("memory", _fmt_bytes)),
+  ]
+  width = max(len(row[0]) for row in table)
+  lines = [f"{row[0]:<{width}}  " + "  ".join(f"{c:>9}" for c in row[1:]) for row in table]
+  lines.append(f"backward speedup of SEBP over dense: {summary['backward_speedup']:.2f}x "
+               f"(policy {config.policy}, impl {summary['impl']}, {summary['device']})")
   return lines
 
 
@@ -710,6 +693,18 @@ def _gradient_analysis(setup: _Setup, params: Params, batch_size: int, seed: int
   return stats, analysis.sparsity_table(stats, 0.0), eps, figures
 
 
+def load_run_config(run_dir: str | Path) -> FinetuneConfig:
+  """The configuration a run folder was trained with (its ``config.json``)."""
+  path = Path(run_dir) / "config.json"
+  if not path.is_file():
+    raise UsageError(f"--resume needs a run folder with config.json; {run_dir} has none")
+  try:
+    return FinetuneConfig(**json.loads(path.read_text()))
+  except (ValueError, TypeError) as e:
+    raise UsageError(f"{path} is unreadable ({_first_line(e)}); start a new run without "
+                     "--resume") from None
+
+
 def _default_run_dir(config: _DataConfig) -> Path:
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   return Path("runs") / f"{config.model}-{config.task}-{stamp}"
@@ -741,12 +736,7 @@ def finetune(
   run_dir = Path(out) if out is not None else _default_run_dir(config)
   config_path = run_dir / "config.json"
   if resume:
-    if not config_path.is_file():
-      raise UsageError(f"--resume needs a run folder with config.json; {run_dir} has none")
-    try:
-      saved = FinetuneConfig(**json.loads(config_path.read_text()))
-    except (ValueError, TypeError) as e:
-      raise UsageError(f"{config_path} is unreadable ({_first_line(e)}); start a new run") from None
+    saved = load_run_config(run_dir)
     if dataclasses.replace(saved, steps=config.steps) != config:
       changed = [f.name for f in dataclasses.fields(config)
                  if f.name != "steps" and getattr(saved, f.name) != getattr(config, f.name)]
@@ -767,17 +757,18 @@ def finetune(
       f"real, {setup.truncated} truncated to --max-length {config.max_length}")
 
   runs = {}
-  for variant in VARIANTS:
-    if variant == "dense" and not config.compare:
-      continue
-    run = _train(config, setup, variant, run_dir, metrics, log)
-    run["eval"] = _evaluate(config, setup, run["params"], config.eval_examples)
-    metrics.write({"variant": variant, "step": config.steps, "eval": run["eval"]})
-    runs[variant] = run
-  params = runs["sebp"]["params"]
-  timing = _timings(config, setup, params)
-  grad_stats, table_rows, eps, figures = _gradient_analysis(
-    setup, params, config.batch_size, config.seed, config.analysis_batches, run_dir)
+  with _out_of_memory_is_usage_error(config):
+    for variant in VARIANTS:
+      if variant == "dense" and not config.compare:
+        continue
+      run = _train(config, setup, variant, run_dir, metrics, log)
+      run["eval"] = _evaluate(config, setup, run["params"], config.eval_examples)
+      metrics.write({"variant": variant, "step": config.steps, "eval": run["eval"]})
+      runs[variant] = run
+    params = runs["sebp"]["params"]
+    timing = _timings(config, setup, params)
+    _, table_rows, eps, figures = _gradient_analysis(
+      setup, params, config.batch_size, config.seed, config.analysis_batches, run_dir)
   figures = {"loss curves": _plot_losses(metrics, run_dir / "loss_curves.png"), **figures}
   memory_kind = next(iter(runs.values()))["memory"][0]
   summary = {
@@ -815,14 +806,10 @@ def analyze(
   setup = _prepare(config, log=log)
   if out is not None:
     Path(out).mkdir(parents=True, exist_ok=True)
-  try:
+  with _out_of_memory_is_usage_error(config):
     stats, rows, eps, figures = _gradient_analysis(
       setup, setup.params, config.batch_size, config.seed, config.batches,
       None if out is None else Path(out))
-  except jax.errors.JaxRuntimeError as e:
-    if _is_oom(e):
-      raise _oom_error(config) from None
-    raise
   return {"table": rows, "table_text": analysis.format_sparsity_table(rows),
           "suggested_eps": eps, "stats": stats, "figures": figures,
           "length_stats": setup.length_stats}

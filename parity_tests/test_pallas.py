@@ -1,0 +1,147 @@
+"""The Pallas kernels against the contract's reference, at their block edges.
+
+The contract tests (test_matmul.py) run every impl, "interpret" and "pallas" included, on random
+shapes; here the block structure itself is under test: small explicit tiles so that the kept-row
+count falls just below, on and just above a block boundary, partial tiles in every dim, count 0
+and count M, the crossover to the dense branch, and the partition kernel on its own. "interpret"
+runs the kernels in the Pallas interpreter on CPU; "pallas" runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parity_tests.reference import keep_mask as reference_keep_mask
+from parity_tests.reference import sebp_reference
+from parity_tests.tolerances import assert_close
+from sebp_jax import RowPolicy
+from sebp_jax.backends import pallas as pallas_backend
+
+# Tiles of 16 rows (Triton's smallest dot) make block boundaries cheap to reach.
+SMALL_TILES = pallas_backend.BlockConfig(
+  dx_m=16, dx_k=16, dx_n=16, dx_warps=4, dx_stages=2,
+  dw_m=16, dw_k=16, dw_n=32, dw_warps=4, dw_stages=2, crossover=1.0)
+
+KERNEL_IMPLS = [
+  pytest.param(True, id="interpret"),
+  pytest.param(False, id="pallas", marks=pytest.mark.gpu),
+]
+
+
+def _case(rng, num_rows, in_features, out_features, kept, dtype, *, quiet=0.0):
+  """Random ``x, kernel, dy`` with exactly the rows ``kept`` active (others zero or ``quiet``)."""
+  x = rng.standard_normal((num_rows, in_features)).astype(np.float32)
+  kernel = rng.standard_normal((in_features, out_features)).astype(np.float32)
+  dy = rng.standard_normal((num_rows, out_features)).astype(np.float32)
+  active = np.zeros(num_rows, bool)
+  active[kept] = True
+  dy = np.where(active[:, None], dy, quiet * np.sign(dy)).astype(np.float32)
+  cast = lambda a: jnp.asarray(a, dtype)
+  return cast(x), cast(kernel), cast(dy)
+
+
+def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
+  precision = jax.lax.Precision.HIGHEST  # IEEE float32 in the kernels, as in the reference
+  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(
+    x, k, dy, policy=policy, precision=precision, interpret=interpret, config=config))
+  dx, dw = backward(x, kernel, dy)
+  want_dx, want_dw = sebp_reference(x, kernel, None, dy, policy.threshold, policy.max_rows)
+  assert dx.dtype == x.dtype and dw.dtype == kernel.dtype
+  assert_close(dx, want_dx, x.dtype, what="dx")
+  assert_close(dw, want_dw, x.dtype, what="dw")
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 32, 33, 75])
+def test_count_around_block_boundaries(interpret, count):
+  rng = np.random.default_rng(count)
+  num_rows = 75  # not a multiple of 16: the last row tile is partial
+  kept = np.sort(rng.choice(num_rows, count, replace=False))
+  _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(50, 19, 23), (64, 48, 96), (33, 130, 17)])
+def test_partial_tiles(interpret, dtype, shape):
+  num_rows, in_features, out_features = shape
+  rng = np.random.default_rng(num_rows * in_features)
+  kept = np.flatnonzero(rng.random(num_rows) < 0.4)
+  _check(*_case(rng, num_rows, in_features, out_features, kept, dtype), RowPolicy(),
+         interpret=interpret)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("policy", [RowPolicy(threshold=0.01), RowPolicy(max_rows=20),
+                                    RowPolicy(threshold=0.01, max_rows=5)])
+def test_dropped_rows_that_are_not_zero(interpret, policy):
+  # Quiet rows (|dy| = 1e-3) are active for the exact policy but cut by these: the kernels must
+  # mask them in dx and dw, including inside the last, partial row block.
+  rng = np.random.default_rng(7)
+  kept = np.flatnonzero(rng.random(70) < 0.5)
+  _check(*_case(rng, 70, 29, 40, kept, jnp.float32, quiet=1e-3), policy, interpret=interpret)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+def test_nonfinite_rows_reach_dx_and_dw(interpret):
+  rng = np.random.default_rng(3)
+  x, kernel, dy = _case(rng, 40, 17, 20, np.arange(5), jnp.float32)
+  dy = dy.at[30, 3].set(jnp.nan).at[12, 0].set(-jnp.inf)
+  _check(x, kernel, dy, RowPolicy(), interpret=interpret)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [10, 40])
+def test_crossover_runs_dense_branch(interpret, count):
+  # crossover=0.25 of 64 rows: 10 kept rows take the kernels, 40 the dense branch.
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "crossover": 0.25})
+  rng = np.random.default_rng(count)
+  _check(*_case(rng, 64, 32, 48, np.arange(count), jnp.float32), RowPolicy(threshold=0.5),
+         interpret=interpret, config=config)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+def test_only_one_product_requested(interpret):
+  rng = np.random.default_rng(11)
+  x, kernel, dy = _case(rng, 48, 20, 24, np.arange(0, 48, 3), jnp.float32)
+  want_dx, want_dw = sebp_reference(x, kernel, None, dy)
+  run = lambda x, k: pallas_backend.backward(x, k, dy, policy=RowPolicy(), interpret=interpret,
+                                             config=SMALL_TILES,
+                                             precision=jax.lax.Precision.HIGHEST)
+  dx, dw = run(None, kernel)
+  assert dw is None
+  assert_close(dx, want_dx, jnp.float32, what="dx alone")
+  dx, dw = run(x, None)
+  assert dx is None
+  assert_close(dw, want_dw, jnp.float32, what="dw alone")
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("num_rows", [1, 7, 1024, 1500, 4096])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_partition_kernel(interpret, num_rows, density):
+  rng = np.random.default_rng(num_rows)
+  keep = rng.random(num_rows) < density
+  perm, count = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
+  perm, count = np.asarray(perm), int(np.asarray(count)[0])
+  assert count == keep.sum()
+  rows = np.arange(num_rows)
+  np.testing.assert_array_equal(perm[:count], rows[keep])
+  np.testing.assert_array_equal(perm[count:num_rows], rows[~keep])
+  np.testing.assert_array_equal(perm[num_rows:], np.arange(num_rows, len(perm)))
+
+
+def test_reference_mask_agrees_with_count():
+  # Guards the helper above: the reference counts what _case made active.
+  rng = np.random.default_rng(0)
+  _, _, dy = _case(rng, 30, 4, 5, np.array([1, 4, 29]), jnp.float32)
+  assert reference_keep_mask(dy).nonzero()[0].tolist() == [1, 4, 29]
+
+
+def test_block_table_shrinks_to_small_layers():
+  config = pallas_backend.block_config(20, 9, 300, jnp.bfloat16)
+  assert config.dx_m == config.dw_m == 32 and config.dx_k == config.dw_k == 16
+  assert config.dw_n == 128  # 300 columns keep the table's tile
