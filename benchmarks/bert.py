@@ -29,7 +29,7 @@ DATASETS = ("rotten_tomatoes", "trec", "sms_spam")
 _PAD_ID, _FIRST_TOKEN_ID = 0, 1000  # [PAD]; ids below 1000 are special or unused in the vocab
 # Dropout off (see benchmarks.workloads); attention dropout would also rule out cuDNN attention.
 _NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+_TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
              vocab_size=1500)
 
 
@@ -81,7 +81,7 @@ def _torch_model(config, device: str):
 
 
 def build(tiny: bool) -> ModelSpec:
-  """The BERT-base benchmark (``tiny``: a 2-layer model at context 64, batch 4)."""
+  """The BERT-base benchmark (``tiny``: a 1-layer model at context 64, batch 4)."""
   config = _config(tiny)
   workloads = tuple(Workload(name, name, dataset_lengths("bert", name)) for name in DATASETS)
   workloads += tuple(Workload(f"glue_{task}", f"{task} (synthetic, paper Table 1)",

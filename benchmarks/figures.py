@@ -67,7 +67,8 @@ def _speedup_figure(result: dict, path: pathlib.Path) -> None:
                   lambda case, v: ratios.get((*case, v), (None, None))[index], several)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel(f"{title} speedup over {BASELINE}")
-  axes[0].legend(ncol=3, fontsize=8)
+  if variants:
+    axes[0].legend(ncol=3, fontsize=8)
   axes[0].set_title(f"{result['benchmark']}: {result['gpu']}, {result['dtype']}, "
                     f"context {result['seq_len']}")
   fig.tight_layout()

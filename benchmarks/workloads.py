@@ -5,8 +5,8 @@ the model in both frameworks, its loss, its batches and its workloads) and hand 
 which runs every variant of :data:`VARIANTS` on every workload and writes the results.
 
 Workloads
-  A workload is a distribution of real token lengths (sequences per dataset, counted by the
-  bundled tokenizers) at a fixed context. Each of its batches draws ``batch`` lengths from it with
+  A workload is a distribution of real token lengths (of a dataset's texts, counted by a bundled
+  tokenizer) at a fixed context. Each of its batches draws ``batch`` lengths from it with
   a fixed seed; token ids are random (speed does not depend on them) but the padding is real.
   Lengths are read from :data:`LENGTHS_FILE`, a small file made here once with
   ``python -m benchmarks.workloads --export-lengths benchmarks/results/token_lengths.json`` (the
@@ -25,7 +25,7 @@ Variants (:data:`VARIANTS`)
 Measurement
   Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
   only, and JAX's allocator peak, which cannot be reset, is the variant's own; JAX and torch never
-  share a GPU process). Times are medians over ``steps`` distinct batches after warm-up.
+  share a GPU process); ``--in-process`` runs them in one, for CPU smoke runs. Times are medians over ``steps`` distinct batches after warm-up.
 
   * JAX: three jitted programs, timed by wall clock around ``block_until_ready`` (a step lasts
     milliseconds, its dispatch microseconds): ``fwd`` (the loss), ``step`` (loss, gradients and
@@ -69,7 +69,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 __all__ = [
-  "LENGTHS_FILE", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "ModelSpec", "Row",
+  "LENGTHS_FILE", "TOKENIZERS", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "BASELINE",
+  "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "speedups", "markdown_table", "write_results", "main",
 ]
@@ -227,9 +228,10 @@ def _free_matmul_bwd(residuals, dy):
   from jax import lax
 
   x, kernel = residuals  # read for their shapes only: XLA drops them as residuals
-  # Zero gradients that XLA cannot see through: `dy` is still computed (the barrier consumes it)
-  # and the layers below still run their backward (attention, activations, norms), as they do
-  # under SEBP. Plain zeros would let XLA delete every backward op that only feeds a linear one.
+  # Zeros that neither JAX nor XLA can see through, so the rest of the backward runs as under
+  # SEBP: `dy` is still computed (the barrier consumes it), and the ops below that consume `dx`
+  # (activation and attention backward, the residual add) are not folded away. Symbolic zeros
+  # (returning None) would let JAX drop every backward op that only feeds a linear layer.
   dx, dkernel, _ = lax.optimization_barrier(
     (jnp.zeros(x.shape, x.dtype), jnp.zeros(kernel.shape, kernel.dtype), dy))
   return dx, dkernel
@@ -317,6 +319,7 @@ class ModelSpec:
     jax_loss: ``(module, params, batch) -> scalar``: the training loss.
     torch_model: ``(device) -> torch module`` in bfloat16, whose ``forward(**batch).loss`` is the
       same loss.
+    warmup, steps: default untimed and timed steps per workload.
   """
 
   name: str
@@ -328,6 +331,8 @@ class ModelSpec:
   jax_module: Callable[[], Any]
   jax_loss: Callable[[Any, Any, Batch], Any]
   torch_model: Callable[[str], Any]
+  warmup: int = 2
+  steps: int = 10
 
 
 @dataclasses.dataclass
@@ -403,7 +408,8 @@ def _random_params(module, spec: ModelSpec, seed: int = 0):
     return (0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
 
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  # RBG keys: XLA's own bit generator compiles in a fraction of threefry's time.
+  keys = jax.random.split(jax.random.key(seed, impl="rbg"), len(leaves))
   make = jax.jit(lambda keys: treedef.unflatten(
     [fill(path, leaf, key) for (path, leaf), key in zip(leaves, keys)]))
   return make(keys)
@@ -421,9 +427,8 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   """Runs ``variant`` on every workload and batch size.
 
   Yields the environment (:func:`benchmarks.timing.environment`), then each row as soon as it is
-  measured; rows are completed in place afterwards (``peak_mem_bytes`` once their batch size is
-  done, ``opt_ms`` and ``bwd_ms`` at the end), so a consumer serializes them when the generator
-  is exhausted, and also on the way to keep what a crash would lose.
+  measured; its ``peak_mem_bytes`` is filled in place once its batch size is done, so a consumer
+  serializes rows when the generator is exhausted (and on the way, to keep what a crash loses).
   """
   import jax
   import optax
@@ -434,7 +439,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   module = spec.jax_module()
   params = _random_params(module, spec)
   optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-  opt_state = optimizer.init(params)
+  opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
   traces = {"fwd": 0, "step": 0}
 
   def loss(params, batch, program):
@@ -450,10 +455,21 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     value, grads = jax.value_and_grad(loss)(params, batch, "step")
     return (*update(params, opt_state, grads), value)
 
+  # The AdamW update alone, on zero gradients. Its peak (state and one gradient tree) is below a
+  # training step's (the same plus activations), so it does not show in the peaks below.
+  update_fn = jax.jit(update, donate_argnums=(0, 1))
+  grads = jax.jit(lambda p: jax.tree_util.tree_map(jax.numpy.zeros_like, p))(params)
+  times = []
+  for _ in range(1 + settings.warmup + settings.steps):  # the first call compiles
+    start = time.perf_counter()
+    params, opt_state = jax.block_until_ready(update_fn(params, opt_state, grads))
+    times.append((time.perf_counter() - start) * 1e3)
+  opt_ms = _median(times[1 + settings.warmup:])
+  del grads
+
   fwd_fn = jax.jit(lambda params, batch: loss(params, batch, "fwd"))
   step_fn = jax.jit(step, donate_argnums=(0, 1))
   dynamic = variant.impl == "dynamic"
-  rows: list[Row] = []
   for batch_size in sorted(spec.batch_sizes):
     compiled: set[tuple] = set()  # input shapes the step has been compiled for
     batch_rows = []
@@ -489,32 +505,13 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
           jax.block_until_ready(value)
           step_times.append((time.perf_counter() - start) * 1e3)
         row.step_ms = _median(step_times)
+        row.opt_ms, row.bwd_ms = opt_ms, row.step_ms - row.fwd_ms - opt_ms
       except Exception as e:  # recorded; the next workload runs (if the state survived)
         row.error = _error_text(e)
       yield row
     stats = jax.devices()[0].memory_stats() or {}
     for row in batch_rows:
       row.peak_mem_bytes = stats.get("peak_bytes_in_use")
-    rows += batch_rows
-
-  # The AdamW update alone, last: its zero gradients would otherwise count in the peaks above.
-  try:
-    update_fn = jax.jit(update, donate_argnums=(0, 1))
-    grads = jax.tree_util.tree_map(jax.numpy.zeros_like, params)
-    times = []
-    for _ in range(settings.warmup + settings.steps + 1):
-      start = time.perf_counter()
-      params, opt_state = jax.block_until_ready(update_fn(params, opt_state, grads))
-      times.append((time.perf_counter() - start) * 1e3)
-    opt_ms = _median(times[1 + settings.warmup:])  # the first call compiles
-  except Exception as e:
-    for row in rows:
-      row.error = row.error or f"optimizer timing: {_error_text(e)}"
-    return
-  for row in rows:
-    if row.error is None:
-      row.opt_ms = opt_ms
-      row.bwd_ms = row.step_ms - row.fwd_ms - opt_ms
 
 
 # ----------------------------------------------------------------------------- torch runner
@@ -618,6 +615,8 @@ def _error_rows(spec: ModelSpec, variant: Variant, settings: Settings, error: st
   for batch_size in sorted(spec.batch_sizes):
     for workload in spec.workloads:
       lengths = workload.lengths(batch_size, spec.seq_len, settings.warmup + settings.steps)
+      if variant.impl == "dynamic" and lengths.min() == spec.seq_len:
+        continue  # not run: see run_jax
       rows.append(Row(workload.name, workload.dataset, variant.framework, variant.impl,
                       variant.name, batch_size, spec.seq_len,
                       float(lengths.mean() / spec.seq_len), error=error))
@@ -633,13 +632,18 @@ def _worker(spec: ModelSpec, variant: Variant, settings: Settings, out: pathlib.
   """Subprocess entry: runs one variant, rewriting ``out`` after every row (a crash keeps them)."""
   environment, rows = None, []
 
-  def write():
-    out.write_text(json.dumps({"environment": environment,
-                               "rows": [dataclasses.asdict(r) for r in rows]}))
+  def write():  # atomically: the driver may read it after killing this process
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps({"environment": environment,
+                                   "rows": [dataclasses.asdict(r) for r in rows]}))
+    os.replace(partial, out)
 
   for item in _run_variant(spec, variant, settings):
     if isinstance(item, Row):
       rows.append(item)
+      print(f"  {item.variant} {item.workload} b{item.batch}: step {_fmt(item.step_ms)} ms, "
+            f"fwd {_fmt(item.fwd_ms)} ms, compiles {_fmt(item.compile_count, 'd')}"
+            + (f", {item.error}" if item.error else ""), flush=True)
     else:
       environment = item
     write()
@@ -651,7 +655,7 @@ def _in_subprocess(spec: ModelSpec, variant: Variant, settings: Settings, argv: 
   """Runs one variant through ``python -m benchmarks.<spec.name> --worker``; rows it did not
   finish become error rows carrying the end of its stderr."""
   with tempfile.TemporaryDirectory() as tmp:
-    out = pathlib.Path(tmp) / "rows.json"
+    out, log = pathlib.Path(tmp) / "rows.json", pathlib.Path(tmp) / "stderr.txt"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     # The JAX allocator takes 75 % of the GPU by default; LLaMA-3B at batch 4 needs more.
@@ -660,11 +664,11 @@ def _in_subprocess(spec: ModelSpec, variant: Variant, settings: Settings, argv: 
     command = [sys.executable, "-m", f"benchmarks.{spec.name}", *argv,
                "--worker", variant.name, "--worker-out", str(out)]
     error = None
-    try:
-      done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout, capture_output=True,
-                            text=True)
+    try:  # the worker's progress lines (stdout) pass through; stderr is kept for the error rows
+      with open(log, "w") as stderr:
+        done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout, stderr=stderr)
       if done.returncode != 0:
-        error = f"worker exited with {done.returncode}: {done.stderr.strip()[-800:]}"
+        error = f"worker exited with {done.returncode}: {log.read_text().strip()[-800:]}"
     except subprocess.TimeoutExpired:
       error = f"worker timed out after {timeout:.0f} s"
     result = json.loads(out.read_text()) if out.is_file() else {"environment": None, "rows": []}
@@ -677,9 +681,9 @@ def _in_subprocess(spec: ModelSpec, variant: Variant, settings: Settings, argv: 
   return result["environment"], rows
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-    prog=prog, description="Training-step time and memory of every variant on every workload.")
+    description="Training-step time and memory of every variant on every workload.")
   parser.add_argument("--out-dir", type=pathlib.Path, default=REPO / "benchmarks" / "results")
   parser.add_argument("--tiny", action="store_true",
                       help="a tiny model, context and batch (CPU smoke runs)")
@@ -689,8 +693,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                       help="run only these workloads (default: all)")
   parser.add_argument("--batches", nargs="+", type=int, metavar="B",
                       help="run only these batch sizes (default: the script's)")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed steps per workload")
-  parser.add_argument("--steps", type=int, default=10, help="timed steps (distinct batches)")
+  parser.add_argument("--warmup", type=int, help="untimed steps per workload (default: the "
+                      "script's)")
+  parser.add_argument("--steps", type=int, help="timed steps, each on a distinct batch "
+                      "(default: the script's)")
   parser.add_argument("--in-process", action="store_true",
                       help="run the variants in this process (CPU only: JAX and torch would "
                            "share a GPU, and the JAX memory peak would be cumulative)")
@@ -699,6 +705,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
   parser.add_argument("--time-budget", type=float, default=540.0,
                       help="seconds for the whole run: a variant gets at most what is left, "
                            "and variants with nothing left become error rows")
+  parser.add_argument("--tag", default="", help="appended to the result files' names")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--worker-out", type=pathlib.Path, help=argparse.SUPPRESS)
   return parser
@@ -721,11 +728,12 @@ def _select(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
 def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) -> list[Row]:
   """Command line of a model script: ``build(tiny)`` gives its :class:`ModelSpec`."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = _parser(f"python -m {build.__module__}").parse_args(argv)
+  args = _parser().parse_args(argv)
   spec = _select(build(args.tiny), args)
-  if args.warmup < 0 or args.steps < 1:
+  settings = Settings(spec.warmup if args.warmup is None else args.warmup,
+                      spec.steps if args.steps is None else args.steps)
+  if settings.warmup < 0 or settings.steps < 1:
     raise SystemExit("--warmup must be >= 0 and --steps >= 1")
-  settings = Settings(args.warmup, args.steps)
   by_name = {v.name: v for v in VARIANTS}
   if args.worker:
     _worker(spec, by_name[args.worker], settings, args.worker_out)
@@ -736,7 +744,9 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
                             "dtype": "bfloat16", "seq_len": spec.seq_len,
                             "batch_sizes": list(spec.batch_sizes), "warmup": settings.warmup,
                             "steps": settings.steps, "versions": _versions(), "rows": []}
-  stem = f"{spec.name}_tiny" if args.tiny else spec.name
+  # Runs split by batch size (to fit a time limit) write files of their own.
+  stem = spec.name + ("_tiny" if args.tiny else "") + "".join(
+    f"_b{b}" for b in (args.batches or ())) + (f"_{args.tag}" if args.tag else "")
   rows: list[Row] = []
   deadline = time.perf_counter() + args.time_budget
   for name in [v.name for v in VARIANTS if v.name in args.variants]:

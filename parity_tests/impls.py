@@ -6,7 +6,7 @@ import pytest
 
 from sebp_jax import RowPolicy
 
-__all__ = ["JAX_IMPLS", "impl_params", "implements", "NAN_ROW_MAX_XFAIL"]
+__all__ = ["JAX_IMPLS", "impl_params", "implements"]
 
 # Every backend is held to the same tests. "interpret" (CPU) and "pallas" (GPU) join this list
 # when the Pallas backend lands.
@@ -25,10 +25,3 @@ def implements(impl: str, policy: RowPolicy) -> bool:
   """Whether ``impl`` implements ``policy``: ``"dense"`` is the plain backward, exact only."""
   return impl != "dense" or policy.is_exact
 
-
-# Known defect, reported to the lead: XLA:CPU's row max does not propagate NaN once the reduction
-# is large (about M * N >= 4096 elements), so `policy.row_scores` scores a NaN row by its finite
-# entries and the exact policy can drop it. Cases with non-finite gradients carry this mark until
-# `keep_mask` detects non-finite rows with an explicit `isfinite` reduction.
-NAN_ROW_MAX_XFAIL = pytest.mark.xfail(
-  strict=False, reason="lead: XLA:CPU row max drops NaN for M*N >= ~4096 (policy.row_scores)")

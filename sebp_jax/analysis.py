@@ -143,14 +143,19 @@ def _smooth(values: np.ndarray, sigma_bins: float) -> np.ndarray:
 
 
 def calibrate_threshold(
-  counts: np.ndarray, *, smoothing_decades: float = 0.1, valley_ratio: float = 0.5
+  counts: np.ndarray,
+  *,
+  smoothing_decades: float = 0.1,
+  valley_ratio: float = 0.5,
+  min_mode_fraction: float = 0.05,
 ) -> float:
   """The paper's noise threshold: the knee of the smoothed CDF of log-magnitudes.
 
   The CDF comes from a histogram over :data:`LOG10_EDGES` (:func:`log10_histogram`) and is
   smoothed with a Gaussian of ``smoothing_decades``. Its slope (the smoothed density) must show a
   *noise mode*: a first peak, then a valley deeper than ``valley_ratio`` times the lower of that
-  peak and the next one. The knee is where the CDF's slope falls fastest between the noise peak
+  peak and the next one, with at least ``min_mode_fraction`` of the values on each side of the
+  valley (a ripple in a tail is no mode). The knee is where the CDF's slope falls fastest between the noise peak
   and the valley, i.e. the largest slope change, where the noise ends. Without a noise mode
   (every non-zero gradient is real, as in float32 models whose padded rows are exactly zero) the
   answer is ``0.0``: the exact policy.
@@ -159,6 +164,7 @@ def calibrate_threshold(
     counts: ``(len(LOG10_EDGES) - 1,)`` histogram counts.
     smoothing_decades: standard deviation of the smoothing, in decades.
     valley_ratio: how deep the valley between noise and signal must be to count as one.
+    min_mode_fraction: the least fraction of the values each of the two modes must hold.
 
   Returns:
     ``eps`` (a bin edge ``10**k``; ``0.0`` when no noise mode is found).
@@ -168,12 +174,14 @@ def calibrate_threshold(
     raise ValueError(
       f"`counts` must have shape ({len(LOG10_EDGES) - 1},) (bins of LOG10_EDGES), "
       f"got {counts.shape}.")
-  if not 0.0 < valley_ratio < 1.0:
-    raise ValueError(f"`valley_ratio` must be in (0, 1), got {valley_ratio}.")
+  for name, value in (("valley_ratio", valley_ratio), ("min_mode_fraction", min_mode_fraction)):
+    if not 0.0 < value < 1.0:
+      raise ValueError(f"`{name}` must be in (0, 1), got {value}.")
   if counts.sum() == 0:
     return 0.0
   # Smoothing the CDF and differentiating equals smoothing the density.
   slope = _smooth(counts / counts.sum(), smoothing_decades * _BINS_PER_DECADE)
+  cdf = np.cumsum(slope)
   floor = 1e-3 * slope.max()  # ignore ripples of the far tails
   interior = slope[1:-1]
   is_peak = (interior > slope[:-2]) & (interior >= slope[2:]) & (interior > floor)
@@ -183,7 +191,8 @@ def calibrate_threshold(
   first = peaks[0]  # the top of the lowest mode so far
   for second in peaks[1:]:
     valley = first + int(np.argmin(slope[first:second + 1]))
-    if slope[valley] <= valley_ratio * min(slope[first], slope[second]):
+    deep = slope[valley] <= valley_ratio * min(slope[first], slope[second])
+    if deep and min_mode_fraction <= cdf[valley] <= 1.0 - min_mode_fraction:
       # Slope change between bins i and i+1; the knee is the edge between them.
       change = np.diff(slope[first:valley + 1])
       knee_edge = first + int(np.argmin(change)) + 1
@@ -350,8 +359,9 @@ def plot_row_sparsity_heatmap(stats: GradientStats, path: str | Path, *,
   plt = _pyplot()
   log = lambda a: np.log10(np.maximum(a, 1e-30))  # noqa: E731  (zeros -> the colour floor)
   example = log(stats.example)
-  layers = list(stats.row_scores)
-  scores = log(np.stack([stats.row_scores[n][0] for n in layers]))
+  # Token-level layers only: a head on the pooled [CLS] state has one row per sequence.
+  rows = max(s.shape[1] for s in stats.row_scores.values())
+  scores = log(np.stack([s[0] for s in stats.row_scores.values() if s.shape[1] == rows]))
   finite = np.concatenate([example[example > -30], scores[scores > -30]])
   vmin, vmax = (np.percentile(finite, 1), finite.max()) if finite.size else (-30, 0)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
@@ -380,11 +390,19 @@ def plot_gradient_histogram(stats: GradientStats, eps: float, path: str | Path) 
   plt = _pyplot()
   centers = (LOG10_EDGES[:-1] + LOG10_EDGES[1:]) / 2
   fig, ax = plt.subplots(figsize=(7, 4))
-  for counts, label in ((stats.element_counts, "entries |dY_ij|"),
-                        (stats.row_counts, "row scores max_j |dY_ij|")):
-    used = np.flatnonzero(counts)
-    if used.size:
-      span = slice(max(used[0] - 5, 0), used[-1] + 6)
+  histograms = ((stats.element_counts, "entries |dY_ij|"),
+                (stats.row_counts, "row scores max_j |dY_ij|"))
+  # Show the central 99.98 % of either histogram: float32 underflow leaves a few entries
+  # decades below the rest.
+  low, high = len(centers), 0
+  for counts, _ in histograms:
+    if counts.sum():
+      cdf = np.cumsum(counts) / counts.sum()
+      low = min(low, int(np.searchsorted(cdf, 1e-4)))
+      high = max(high, int(np.searchsorted(cdf, 1 - 1e-4)))
+  span = slice(max(low - _BINS_PER_DECADE, 0), high + _BINS_PER_DECADE)
+  for counts, label in histograms:
+    if counts.sum():
       ax.plot(centers[span], counts[span] / counts.sum(), label=label)
   if eps > 0:
     ax.axvline(np.log10(eps), color="r", ls="--", label=f"calibrated eps = {eps:.3g}")

