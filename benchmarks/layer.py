@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -157,19 +158,25 @@ def main(argv: Sequence[str] | None = None) -> None:
   if any(not 0 < f <= 1 for f in args.fractions):
     parser.error("--fractions must lie in (0, 1]")
 
+  # Wall times on a shared host scale with its load: record it beside the numbers.
+  load = {"start": os.getloadavg()[0]}
   rows = run(args.shapes, args.fractions, args.impls, jnp.dtype(args.dtype), args.reps,
              TIMERS[args.timer], args.input_sets)
+  load["end"] = os.getloadavg()[0]
   table = markdown_table(rows)
   print(table)
   if args.out:
     env = environment()
     result = {"gpu": env["device"] if env["platform"] == "gpu" else None, **env,
-              "dtype": args.dtype, "timer": args.timer, "reps": args.reps, "rows": rows}
+              "cpu_count": os.cpu_count(), "load_average_1min": load, "dtype": args.dtype,
+              "timer": args.timer, "reps": args.reps, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(
-      f"Backward of one linear layer, {args.dtype}, on {env['device']} ({args.timer} timer, "
-      f"median of {args.reps}); jax {env['versions']['jax']}.\n\n{table}\n")
+      f"Backward of one linear layer, {args.dtype}, on {env['device']} ({os.cpu_count()} cores, "
+      f"1-min load {load['start']:.1f} at start, {load['end']:.1f} at end; {args.timer} timer, "
+      f"median of {args.reps}; speedups are medians of per-round ratios); "
+      f"jax {env['versions']['jax']}.\n\n{table}\n")
 
 
 if __name__ == "__main__":

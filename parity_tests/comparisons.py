@@ -14,15 +14,15 @@ parity_tests.report`` tabulates them. Three levels:
   losses of JAX and torch, each dense and with the exact SEBP policy.
 
 Policies are given as ``(threshold, max_rows)`` (:data:`POLICIES` names them): the two packages
-have separate ``RowPolicy`` classes. The non-exact policies are chosen so that no kept/dropped decision hinges on rounding
-(every row score far from the threshold, a clear norm gap at the ``max_rows`` cut), which is
-checked on both frameworks' own gradients, so that "the same rows are dropped" is a fair demand.
+have separate ``RowPolicy`` classes. The non-exact policies are chosen so that no kept/dropped
+decision hinges on rounding (every row score far from the threshold, a clear norm gap at the
+``max_rows`` cut), which is checked on both frameworks' own gradients, so that "the same rows are
+dropped" is a fair demand.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import re
@@ -62,7 +62,7 @@ class Comparison:
     group: the setting, e.g. ``"layer bfloat16 threshold"``.
     quantity: what is compared, e.g. ``"dW"`` or ``"parameter gradients"``; the report has a row
       per group and quantity, with the worst of its comparisons.
-    detail: which one, e.g. ``"xla vs torch torch"`` or a parameter path.
+    detail: which one, e.g. ``"jax xla vs torch torch"`` or a parameter path.
     actual, expected: same-shape arrays (compared in float64).
     tolerance: elementwise ``|actual - expected| <= atol + rtol * |expected|``.
     dtype: the dtype the tolerance is for (that of the value under test), for messages.
@@ -86,7 +86,8 @@ class Comparison:
 
   def check(self) -> None:
     """Raise ``AssertionError`` (from :func:`assert_close`) if the values disagree."""
-    assert_close(self.actual, self.expected, self.dtype, what=f"{self.group}: {self.quantity} ({self.detail})",
+    assert_close(self.actual, self.expected, self.dtype,
+                 what=f"{self.group}: {self.quantity} ({self.detail})",
                  rtol=self.tolerance.rtol, atol=self._atol)
 
   @property
@@ -101,9 +102,10 @@ class Comparison:
   def error(self) -> float:
     """The worst error relative to the reference's scale: ``max |actual - expected|`` over
     ``scale`` if given, else over ``max |expected|`` (:func:`relative_error`)."""
+    error = relative_error(self.actual, self.expected)
     if self.scale is None:
-      return relative_error(self.actual, self.expected)
-    return relative_error(self.actual, self.expected) * float(np.max(np.abs(self.expected))) / self.scale
+      return error
+    return error * float(np.max(np.abs(self.expected))) / self.scale
 
   @property
   def tolerance_text(self) -> str:
@@ -151,6 +153,14 @@ def supports(impl: str, policy: str) -> bool:
   return impl != "dense" or POLICIES[policy] == EXACT
 
 
+def _describe(fields: PolicyFields) -> str:
+  """``"exact"``, ``"threshold 0.001"``, ``"max_rows 9"``, ``"threshold 0.001, max_rows 5"``."""
+  threshold, max_rows = fields
+  parts = ([f"threshold {threshold:g}"] if threshold else []) + (
+    [f"max_rows {max_rows}"] if max_rows is not None else [])
+  return ", ".join(parts) or "exact"
+
+
 def _jax_policy(fields: PolicyFields) -> sebp_jax.RowPolicy:
   return sebp_jax.RowPolicy(*fields)
 
@@ -161,16 +171,6 @@ def _torch_policy(fields: PolicyFields) -> sebp_torch_ref.RowPolicy:
 
 def _torch_device(torch_impl: str) -> str:
   return "cuda" if torch_impl == "triton" else "cpu"
-
-
-@contextlib.contextmanager
-def _swap_dense(policy: PolicyFields | None, impl: str) -> Iterator[None]:
-  """``swap_dense`` with the policy; ``None``: the plain (dense) model."""
-  if policy is None:
-    yield
-    return
-  with sebp_jax.swap_dense(_jax_policy(policy), impl=impl):
-    yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +297,8 @@ def layer_comparisons(
       raise ValueError(f"layer_comparisons: impl {impl!r} does not implement policy {policy!r}.")
   got = jax_layer(dtype, seed, policy, jax_impl)
   want = torch_layer(dtype, seed, policy, torch_impl)
-  group, pair = f"layer {dtype} {policy}", f"{jax_impl} vs torch {torch_impl}"
+  group = f"layer {dtype}, {_describe(POLICIES[policy])}"
+  pair = f"jax {jax_impl} vs torch {torch_impl}"
   tol = tolerance(dtype)
   fields = {"y": "y", "dX": "dx", "dW": "dkernel", "db": "dbias"}
   out = [Comparison(group, quantity, pair, getattr(got, field), getattr(want, field), tol, dtype)
@@ -447,12 +448,20 @@ def _jax_model_run(arch: str, policy: PolicyFields, impl: str) -> ModelRun:
   with jax.default_matmul_precision("highest"), _perturb_linear_outputs():
     shapes = jax.eval_shape(module.init, jax.random.key(0), *inputs)["perturbations"]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    with _swap_dense(policy, impl):
+    swapped: set[str] = set()
+
+    def where(path: tuple[str, ...]) -> bool:  # swap every layer; record which were reached
+      swapped.add("/".join(path))
+      return True
+
+    with sebp_jax.swap_dense(_jax_policy(policy), where=where, impl=impl):
       loss, (grads, dys) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(params, zeros)
-  flat = lambda tree: {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
+  flat_grads = traverse_util.flatten_dict(grads["params"])
   output_grads = {_jax_layer_path(k): np.asarray(v).reshape(-1, v.shape[-1])
                   for k, v in traverse_util.flatten_dict(dys).items()}
-  return ModelRun(float(loss), flat(grads["params"]), output_grads)
+  assert swapped == output_grads.keys(), f"swap_dense missed {output_grads.keys() - swapped}"
+  return ModelRun(float(loss), {"/".join(k): np.asarray(v) for k, v in flat_grads.items()},
+                  output_grads)
 
 
 def _torch_model_run(arch: str, policy: PolicyFields, impl: str) -> ModelRun:
@@ -460,7 +469,9 @@ def _torch_model_run(arch: str, policy: PolicyFields, impl: str) -> ModelRun:
   module, _ = from_hf(hf)  # for the name and layout mapping of the gradients
   device = _torch_device(impl)
   model = hf.to(device)
-  sebp_torch_ref.apply_sebp(model, _torch_policy(policy), impl=impl)
+  linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+  swapped = sebp_torch_ref.apply_sebp(model, _torch_policy(policy), impl=impl)
+  assert swapped == linears, f"apply_sebp swapped {swapped} of {linears} linear layers"
   tied = getattr(model.config, "tie_word_embeddings", False)
   output_grads: dict[str, np.ndarray] = {}
 
@@ -478,7 +489,8 @@ def _torch_model_run(arch: str, policy: PolicyFields, impl: str) -> ModelRun:
     if isinstance(layer, torch.nn.Linear):  # SEBPLinear included
       layer.register_forward_hook(capture(name))
   batch = _model_batch(arch)
-  ids, mask = (torch.from_numpy(batch[k]).long().to(device) for k in ("input_ids", "attention_mask"))
+  ids, mask = (torch.from_numpy(batch[k]).long().to(device)
+               for k in ("input_ids", "attention_mask"))
   loss = _torch_weighted_loss(arch, model(input_ids=ids, attention_mask=mask).logits, batch)
   loss.backward()
   grads = {name: p.grad.cpu().numpy() for name, p in model.named_parameters()}
@@ -550,8 +562,8 @@ def model_comparisons(
   got, want = _model_runs(arch, fields, jax_impl, torch_impl)
   for run, framework in ((got, "jax"), (want, "torch")):
     _assert_robust_selection(run.output_grads, fields, f"{arch} {policy} ({framework})")
-  group = f"model {arch} {policy} {fields}"
-  pair = f"{jax_impl} vs torch {torch_impl}"
+  group = f"model {arch}, {_describe(fields)}"
+  pair = f"jax {jax_impl} vs torch {torch_impl}"
   out = [Comparison(group, "loss", pair, np.float64(got.loss), np.float64(want.loss),
                     Tolerance(rtol=MODEL_RTOL, atol=0.0))]
   assert got.grads.keys() == want.grads.keys(), sorted(got.grads.keys() ^ want.grads.keys())
@@ -559,10 +571,10 @@ def model_comparisons(
   for path, expected in sorted(want.grads.items()):
     scale = float(np.abs(expected).max())
     assert scale > 0, f"{group}: {path} has no gradient; the test would be vacuous"
-    out.append(Comparison(group, "parameter gradients", f"{path}: {pair}", got.grads[path], expected,
-                          Tolerance(rtol=0.0, atol=MODEL_RTOL),
-                          scale=max(scale, model_scale) if scale < _ZERO_GRADIENT * model_scale
-                          else scale))
+    if scale < _ZERO_GRADIENT * model_scale:
+      scale = model_scale
+    out.append(Comparison(group, "parameter gradients", f"{path}: {pair}", got.grads[path],
+                          expected, Tolerance(rtol=0.0, atol=MODEL_RTOL), scale=scale))
   assert got.output_grads.keys() == want.output_grads.keys(), (
     sorted(got.output_grads.keys() ^ want.output_grads.keys()))
   for path in sorted(want.output_grads):
@@ -753,7 +765,8 @@ def training_comparisons(
     torch-dense, each within :data:`TRAINING_RTOL` at every step.
   """
   if arch not in TRAINING_TASKS:
-    raise ValueError(f"training_comparisons: arch must be in {tuple(TRAINING_TASKS)}, got {arch!r}.")
+    raise ValueError(
+      f"training_comparisons: arch must be in {tuple(TRAINING_TASKS)}, got {arch!r}.")
   fields = POLICIES[policy]
   jax_dense = jax_training_losses(arch, None)
   jax_sebp = jax_training_losses(arch, fields, jax_impl)
@@ -762,10 +775,10 @@ def training_comparisons(
   # The comparison would be vacuous if the updates did not move the losses well past the tolerance.
   moved = relative_error(torch_dense, _torch_untrained_losses(arch))
   assert moved > 100 * TRAINING_RTOL, f"{arch}: training moved the losses by {moved:.2g} only"
-  group = f"training {arch} ({TRAINING_TASKS[arch]}), {policy} SEBP"
+  group = f"training {arch} on {TRAINING_TASKS[arch]}, SEBP {_describe(fields)}"
   tol = Tolerance(rtol=TRAINING_RTOL, atol=0.0)
   cases = [("jax-dense vs torch-dense", jax_dense, torch_dense),
-           (f"jax-SEBP {jax_impl} vs torch-SEBP {torch_impl}", jax_sebp, torch_sebp),
+           (f"jax-SEBP ({jax_impl}) vs torch-SEBP ({torch_impl})", jax_sebp, torch_sebp),
            ("jax-SEBP vs jax-dense", jax_sebp, jax_dense),
            ("torch-SEBP vs torch-dense", torch_sebp, torch_dense)]
   return [Comparison(group, "per-step loss", name, a, b, tol) for name, a, b in cases]

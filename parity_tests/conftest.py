@@ -21,6 +21,10 @@ except ImportError:  # a torch-only environment
 else:
   # The contract is tested in the dtypes users run; x64 would change default dtypes silently.
   jax.config.update("jax_enable_x64", False)
+  # On GPUs both XLA and the Pallas kernels run float32 matmuls in TF32 by default; the tests
+  # compare against an IEEE float32 reference, so they ask for IEEE float32 everywhere (a
+  # `precision=None` dot, in XLA or inside a kernel, follows this setting).
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 _FRAMEWORKS = frozenset({"jax", "torch"})
 

@@ -8,9 +8,9 @@ from sebp_jax import RowPolicy
 
 __all__ = ["JAX_IMPLS", "impl_params", "implements"]
 
-# Every backend is held to the same tests. "interpret" (CPU) and "pallas" (GPU) join this list
-# when the Pallas backend lands.
-JAX_IMPLS = ["xla", "dense"]
+# Every backend is held to the same tests: "interpret" runs the Pallas kernels in the Pallas
+# interpreter (CPU), "pallas" runs them on a GPU.
+JAX_IMPLS = ["xla", "dense", "interpret", "pallas"]
 
 # Marks a backend's test cases carry: a GPU-only backend is skipped without a GPU (conftest.py).
 _MARKS = {"pallas": [pytest.mark.gpu]}

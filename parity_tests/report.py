@@ -1,4 +1,4 @@
-"""Print the JAX-vs-PyTorch parity report: every comparison, its worst relative error, its tolerance.
+"""Print the JAX-vs-PyTorch parity report: each comparison, its worst relative error, tolerance.
 
 Usage::
 

@@ -17,7 +17,7 @@ from parity_tests.strategies import layer_cases, policies
 from sebp_jax import RowPolicy
 from sebp_jax.policy import active_first_permutation, keep_mask, row_scores
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=30, deadline=None)
 
 
 def _keep(dy, policy: RowPolicy) -> np.ndarray:
@@ -39,12 +39,14 @@ test_keep_mask_matches_reference_nonfinite = SETTINGS(given(
 
 
 def test_threshold_is_strict_and_float32():
-  dy = np.zeros((5, 3), np.float32)
-  dy[:, 1] = [0.25, -0.5, 0.5000001, 1e-30, 0.75]
-  for threshold in (0.0, 0.25, 0.5, 0.7):
+  dy = np.zeros((6, 3), np.float32)
+  # float32(0.1) > 0.1 in float64, but not against the threshold rounded to float32.
+  dy[:, 1] = [0.25, -0.5, 0.5000001, 1e-30, 0.75, 0.1]
+  for threshold in (0.0, 0.1, 0.25, 0.5, 0.7):
     policy = RowPolicy(threshold=threshold)
-    np.testing.assert_array_equal(_keep(dy, policy), np.abs(dy[:, 1]) > threshold,
-                                  err_msg=str(policy))
+    expected = np.abs(dy[:, 1]) > np.float32(threshold)
+    np.testing.assert_array_equal(_keep(dy, policy), expected, err_msg=str(policy))
+  assert not _keep(dy, RowPolicy(threshold=0.1))[5]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

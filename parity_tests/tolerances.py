@@ -129,7 +129,7 @@ def assert_close(
 
 
 def relative_error(actual: Any, expected: Any) -> float:
-  """Worst deviation relative to the reference's scale: ``max |actual - expected| / max |expected|``.
+  """Worst deviation against the reference's scale: ``max |actual - expected| / max |expected|``.
 
   One number per comparison, for reports: taken over the entries where ``expected`` is finite
   (NaN and Inf positions are :func:`assert_close`'s business); ``0.0`` for an exact match, and

@@ -364,21 +364,23 @@ def plot_row_sparsity_heatmap(stats: GradientStats, path: str | Path, *,
   scores = log(np.stack([s[0] for s in stats.row_scores.values() if s.shape[1] == rows]))
   finite = np.concatenate([example[example > -30], scores[scores > -30]])
   vmin, vmax = (np.percentile(finite, 1), finite.max()) if finite.size else (-30, 0)
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1, 1.6]},
+                           layout="constrained")
   image = axes[0].imshow(example, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax,
                          interpolation="nearest")
-  axes[0].set(title=f"|dY| of {stats.example_layer}", xlabel="feature",
+  short_name = "/".join(stats.example_layer.split("/")[-3:])
+  axes[0].set(title=f"|dY| of {short_name}", xlabel="output feature",
               ylabel="row (token) of batch 0")
   axes[1].imshow(scores, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax,
                  interpolation="nearest")
-  axes[1].set(title="row score max|dY| per layer (dark = skipped row)",
+  axes[1].set(title="max |dY| of each row, every layer (dark: zero row, skipped)",
               xlabel="row (token) of batch 0", ylabel="linear layer (call order)")
   if sequence_length:
     for ax, horizontal in ((axes[0], True), (axes[1], False)):
       limit = example.shape[0] if horizontal else scores.shape[1]
       for edge in range(sequence_length, limit, sequence_length):
         (ax.axhline if horizontal else ax.axvline)(edge - 0.5, color="w", lw=0.4, alpha=0.6)
-  fig.colorbar(image, ax=axes, label="log10 |dY|", shrink=0.9)
+  fig.colorbar(image, ax=axes, label="log10 |dY|")
   path = Path(path)
   fig.savefig(path, dpi=90)
   plt.close(fig)

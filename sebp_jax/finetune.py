@@ -246,7 +246,7 @@ class FinetuneConfig(_DataConfig):
     seed: initialisation of new heads, data order and dropout.
   """
 
-  steps: int = 120
+  steps: int = 80
   learning_rate: float = 1e-4
   warmup_steps: int = 10
   weight_decay: float = 0.01
@@ -254,7 +254,7 @@ class FinetuneConfig(_DataConfig):
   impl: str = "auto"
   compare: bool = False
   eval_examples: int = 512
-  timing_batches: int = 5
+  timing_batches: int = 3
   analysis_batches: int = 2
 
   def __post_init__(self):

@@ -312,6 +312,8 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
   sparse = functools.partial(_sparse_backward, config=config, mask_rows=not policy.is_exact,
                              precision=precision, interpret=interpret)
   dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision)
+  if config.crossover >= 1.0:  # no dense branch: no conditional (and no host round trip) at all
+    return sparse(x, kernel, dy, perm, count)
   # Past the crossover the compact products save less than the gather costs.
   use_dense = count[0] > int(config.crossover * num_rows)
   return lax.cond(use_dense,
