@@ -122,8 +122,44 @@ def _memory_figure(result: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _layer_speedup_figure(result: dict, path: pathlib.Path) -> None:
+  """Layer benchmark: backward speedup over dense vs active fraction, one panel per shape."""
+  rows = result["rows"]
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "dense"]
+  columns = min(len(shapes), 3)
+  fig, axes = plt.subplots(-(-len(shapes) // columns), columns, squeeze=False,
+                           figsize=(4.2 * columns, 3.4 * -(-len(shapes) // columns)))
+  for ax, shape in zip(axes.flat, shapes):
+    for impl in impls:
+      points = sorted((r["active_fraction"], r["speedup_vs_dense"]) for r in rows
+                      if r["shape"] == shape and r["impl"] == impl)
+      style = dict(color="black", linestyle="--") if impl == "ideal" else {}
+      ax.plot(*zip(*points), marker="o", label=impl, **style)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(shape)
+    ax.set_xlabel("active rows")
+    ax.set_ylabel("backward speedup over dense")
+  for ax in list(axes.flat)[len(shapes):]:
+    ax.axis("off")
+  axes.flat[0].legend()
+  fig.suptitle(f"SEBP backward of one layer, {result['dtype']}, {result.get('gpu') or result['device']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def render(result: dict, out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
-  """Writes the three figures of ``result`` (a result file's content); returns their paths."""
+  """Writes the figures of ``result`` (a result file's content); returns their paths.
+
+  A layer benchmark (rows with a ``shape``) gets one speedup figure; a model benchmark three.
+  """
+  if result["rows"] and "shape" in result["rows"][0]:
+    path = out_dir / f"{stem}_speedup.png"
+    _layer_speedup_figure(result, path)
+    return [path]
   paths = []
   for suffix, draw in (("speedup", _speedup_figure), ("breakdown", _breakdown_figure),
                        ("memory", _memory_figure)):
