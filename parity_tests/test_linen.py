@@ -38,23 +38,27 @@ DENSE_CONFIGS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-  "lead: linen auto-names a submodule after its class, so an unnamed SEBPDense's params sit at "
-  "'SEBPDense_0' where nn.Dense's sit at 'Dense_0': a checkpoint of a model with auto-named "
-  "layers does not move between the two (explicitly named layers, and swap_dense, are fine)"))
-def test_sebp_dense_auto_named_params_sit_where_dense_params_do():
+def test_sebp_dense_named_layers_share_dense_checkpoints():
+  # Documented in SEBPDense: linen auto-names a submodule after its class ("SEBPDense_0" where
+  # nn.Dense is "Dense_0"), so layers meant to share checkpoints are named explicitly.
   x = jnp.ones((2, 3))
-  params = _TwoLayers(SEBPDense).init(jax.random.key(0), x)
-  expected = _TwoLayers(nn.Dense).init(jax.random.key(0), x)
-  assert jax.tree.structure(params) == jax.tree.structure(expected)
+  auto = _TwoLayers(SEBPDense).init(jax.random.key(0), x)
+  assert sorted(auto["params"]) == ["SEBPDense_0", "SEBPDense_1"]
+  named = _TwoLayers(SEBPDense, named=True).init(jax.random.key(0), x)
+  expected = _TwoLayers(nn.Dense, named=True).init(jax.random.key(0), x)
+  assert jax.tree.structure(named) == jax.tree.structure(expected)
+  for got, want in zip(jax.tree.leaves(named), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(got, want)
 
 
 class _TwoLayers(nn.Module):
   dense: type[nn.Module]
+  named: bool = False
 
   @nn.compact
   def __call__(self, x):
-    return self.dense(2)(nn.relu(self.dense(4)(x)))  # unnamed: linen names them
+    names = ("hidden", "out") if self.named else (None, None)  # None: linen names them
+    return self.dense(2, name=names[1])(nn.relu(self.dense(4, name=names[0])(x)))
 
 
 @pytest.mark.parametrize("config", DENSE_CONFIGS, ids=str)

@@ -25,11 +25,6 @@ from sebp_jax.backends.xla import capacities
 
 IMPLS = impl_params()
 SETTINGS = settings(max_examples=15, deadline=None)
-# Known defect, reported to the lead: the bias gradient comes from autodiff of the bias add in
-# the output dtype, so with a bf16 output it is summed in bf16 (5% off over ~100 rows), not in
-# float32 as DESIGN §2 requires. test_bias_gradient_accumulates_in_float32 tracks it (strict
-# xfail); meanwhile the other tests skip the bf16 dbias comparison. Remove both when fixed.
-DBIAS_BF16_BUG = "lead: dbias is summed in bf16 for bf16 outputs (sebp_matmul bias add)"
 # (dtype of x and dy, dtype of kernel and bias): bf16 activations with f32 params included.
 DTYPES = [
   pytest.param((jnp.float32, jnp.float32), id="f32"),
@@ -63,8 +58,6 @@ def _check_contract(x, kernel, bias, dy, policy: RowPolicy, impl: str) -> None:
     assert dbias is None
   for (name, got, primal), want in zip(grads, expected):
     assert got.dtype == primal.dtype, f"{name} has dtype {got.dtype}, its primal {primal.dtype}"
-    if name == "dbias" and got.dtype == jnp.bfloat16:  # DBIAS_BF16_BUG
-      continue
     assert_close(got, want, primal.dtype, what=f"{name} ({impl}, {policy})")
 
 
@@ -97,7 +90,6 @@ def test_matches_contract_with_nonfinite_rows(impl, case, data):
   _contract_property(impl, case, data, (jnp.float32, jnp.float32))
 
 
-@pytest.mark.xfail(strict=True, reason=DBIAS_BF16_BUG)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bias_gradient_accumulates_in_float32(impl):
   # 1.0 then 256 times 2**-9: a float32 sum is exactly 1.5; a bf16 accumulator loses part of the

@@ -106,9 +106,6 @@ def test_max_rows_a_finite_norm_that_overflows_float32_still_ranks_below_nan():
   np.testing.assert_array_equal(np.flatnonzero(_keep(dy, RowPolicy(max_rows=1))), [2])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-  "lead: policy._row_norms divides by a broadcast row max; XLA rewrites that into a multiply by "
-  "1/max, which flushes to zero for max > ~8.5e37, so such rows get norm 0 and rank last"))
 def test_max_rows_a_row_near_float32_max_has_the_largest_norm():
   dy = np.ones((3, 4), np.float32)
   dy[1] = [2e38, 0.0, 0.0, 0.0]  # norm 2e38, a finite float32

@@ -18,6 +18,7 @@ from typing import NoReturn, Sequence
 
 __all__ = ["main", "build_parser"]
 
+
 class _Parser(argparse.ArgumentParser):
   """An ``ArgumentParser`` whose errors are one line (no usage block), exit status 2."""
 

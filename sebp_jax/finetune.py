@@ -246,7 +246,7 @@ class FinetuneConfig(_DataConfig):
     seed: initialisation of new heads, data order and dropout.
   """
 
-  steps: int = 80
+  steps: int = 60
   learning_rate: float = 1e-4
   warmup_steps: int = 10
   weight_decay: float = 0.01

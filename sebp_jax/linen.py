@@ -24,7 +24,10 @@ class SEBPDense(nn.Dense):
   """``nn.Dense`` whose backward runs on the active rows of the output gradient only.
 
   The same attributes, parameter names, shapes and initialisers as ``nn.Dense`` (a checkpoint
-  moves between the two untouched), plus:
+  moves between the two untouched), plus the two below. Like any linen module, an unnamed
+  ``SEBPDense`` is auto-named after its class (``SEBPDense_0`` where ``nn.Dense`` is
+  ``Dense_0``): name the layers, or keep ``nn.Dense`` and use :func:`swap_dense`, where a
+  checkpoint of auto-named layers must fit both.
 
   Attributes:
     policy: which output-gradient rows to keep (:class:`sebp_jax.RowPolicy`; exact by default).
@@ -66,8 +69,9 @@ def swap_dense(
 ) -> Iterator[None]:
   """Run every ``nn.Dense`` called inside the block with the SEBP backward.
 
-  The model is not modified: the swap applies to calls traced while the context is open (inside
-  ``init``, ``apply``, or a function being jitted). Parameters are untouched, so the same params
+  The model is not modified: the swap applies to calls *traced* while the context is open. Enter
+  it inside the function you ``jit`` (or jit inside it): a function jitted and traced outside the
+  context reuses its cached dense program when called inside, since jit cannot see the context. Parameters are untouched, so the same params
   serve the dense and the SEBP model. A Dense with its own ``dot_general`` (quantised matmuls,
   say) is left as it is. ``nn.Embed.attend``, the output projection of models with tied
   embeddings (often their largest matmul), is swapped too; its path ends in ``"attend"``.

@@ -150,7 +150,10 @@ def sebp_matmul(
   else:
     y = _sebp_product(policy, impl, precision, x, kernel)
   if bias is not None:
-    y = y + bias.astype(dtype)
+    # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
+    # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
+    wide = jnp.promote_types(dtype, jnp.float32)
+    y = (y.astype(wide) + bias.astype(wide)).astype(dtype)
   return y
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +66,14 @@ class RowPolicy:
     object.__setattr__(self, "threshold", float(threshold))
     max_rows = self.max_rows
     if max_rows is not None:
-      if isinstance(max_rows, bool) or not isinstance(max_rows, int):
+      if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral):
         raise TypeError(
           f"RowPolicy: `max_rows` must be an int or None, got {max_rows!r} "
           f"of type {type(max_rows).__name__}."
         )
       if max_rows < 1:
         raise ValueError(f"RowPolicy: `max_rows` must be >= 1, got {max_rows}.")
+      object.__setattr__(self, "max_rows", int(max_rows))  # np.int64(3) and 3: one static arg
 
   @property
   def is_exact(self) -> bool:
@@ -97,10 +99,18 @@ def row_scores(dy: jax.Array) -> jax.Array:
 
 
 def _row_norms(dy: jax.Array, scores: jax.Array) -> jax.Array:
-  """Float32 L2 norm of each finite row, scaled by its max so that no square overflows."""
-  scale = jnp.where(scores > 0, scores, 1.0)
+  """Float32 L2 norm of each finite row, never overflowing or underflowing on the way.
+
+  Each row is scaled by a power of two near its max before squaring. A power of two (not the max
+  itself) keeps the scale's reciprocal exact and normal, so the multiply XLA turns the division
+  into cannot flush a huge row to zero. A norm past float32's range is clamped to its max, so a
+  finite row still ranks below a non-finite one.
+  """
+  _, exponent = jnp.frexp(jnp.where(scores > 0, scores, 1.0))
+  scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent, -100, 100))
   scaled = dy.astype(jnp.float32) / scale[:, None]
-  return scale * jnp.sqrt(jnp.sum(scaled * scaled, axis=1))
+  norms = scale * jnp.sqrt(jnp.sum(scaled * scaled, axis=1))
+  return jnp.minimum(norms, jnp.finfo(jnp.float32).max)
 
 
 def keep_mask(dy: jax.Array, policy: RowPolicy) -> jax.Array:
