@@ -356,3 +356,40 @@ def test_frozen_dense_kernel_costs_no_weight_gradient():
   grad_x = jax.grad(lambda x: jnp.sum(layer.apply(params, x)))
   shapes = dot_output_shapes(jax.make_jaxpr(grad_x)(x))
   assert all(sorted(s) != [7, 11] for s in shapes), shapes
+
+
+class _TiedOutput(nn.Module):
+  """Embedding, one Dense, and the tied output projection ``nn.Embed.attend``."""
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(53, 16, name="embed")
+    return embed.attend(nn.Dense(16, name="hidden")(embed(ids)))
+
+
+@pytest.mark.parametrize("impl", impl_params())
+def test_swap_dense_reaches_tied_output_projection(impl):
+  # The tied projection is a model's largest matmul (LLaMA-3.2's 128K vocabulary): swap_dense
+  # gives it the SEBP backward too. A threshold between the quiet and the loud rows of the
+  # logits' gradient drops the quiet ones in "attend" only; the reference masks them by hand.
+  policy = RowPolicy(threshold=1e-2)
+  if not implements(impl, policy):
+    pytest.skip(f"{impl} implements the exact policy only")
+  model = _TiedOutput()
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 53, (3, 11)))
+  params = model.init(jax.random.key(1), ids)
+  weight = jnp.asarray(np.where(np.arange(11) < 4, 1.0, 1e-4), jnp.float32)[None, :, None]
+  loss = lambda p: jnp.sum(model.apply(p, ids) * weight)
+  seen = []
+  with swap_dense(policy, impl=impl, where=lambda path: seen.append(path) or path[-1] == "attend"):
+    got = jax.grad(loss)(params)
+  assert ("embed", "attend") in seen and ("hidden",) in seen
+
+  # Reference: the dense model whose logits' gradient is `weight` with the dropped rows (every
+  # quiet token) zeroed, which is what the contract makes of the projection's backward.
+  keep = (np.arange(11) < 4)[None, :, None]
+  reference_loss = lambda p: jnp.sum(model.apply(p, ids) * jnp.where(keep, weight, 0.0))
+
+  want = jax.grad(reference_loss)(params)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    assert_close(g, w, jnp.float32, what=jax.tree_util.keystr(path))
