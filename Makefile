@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	touch $@
 
 demo: $(STAMP)
-	$(PY) examples/padded_block.py
+	$(VENV)/bin/sebp finetune --model minilm --task rotten-tomatoes --compare
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
