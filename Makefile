@@ -32,4 +32,4 @@ test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+	$(PY) -m pytest -m gpu  # one process: several would each grab the GPU's memory
