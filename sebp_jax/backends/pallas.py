@@ -105,6 +105,14 @@ def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jnp.pad(array, [(0, s - d) for s, d in zip(shape, array.shape)])
 
 
+def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str):
+  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled."""
+  return pl.pallas_call(
+    body, out_shape=out_shape, grid=grid,
+    compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
+    interpret=interpret, name=name)
+
+
 # Rows the partition kernel handles per step: one scan of this many flags at a time.
 _PARTITION_CHUNK = 1024
 
@@ -148,15 +156,11 @@ def partition_pallas(keep: jax.Array, *, interpret: bool = False):
   num_rows = keep.shape[0]
   chunk = min(_PARTITION_CHUNK, pl.next_power_of_2(num_rows))
   flags = _pad_to(keep.astype(jnp.int32), (_round_up(num_rows, chunk),))
-  return pl.pallas_call(
-    functools.partial(_partition_kernel, chunk=chunk),
-    out_shape=(jax.ShapeDtypeStruct(flags.shape, jnp.int32),
-               jax.ShapeDtypeStruct((1,), jnp.int32)),
-    grid=(1,),
-    compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
-    interpret=interpret,
-    name="sebp_partition",
-  )(flags)
+  return _launch(functools.partial(_partition_kernel, chunk=chunk),
+                 (jax.ShapeDtypeStruct(flags.shape, jnp.int32),
+                  jax.ShapeDtypeStruct((1,), jnp.int32)),
+                 grid=(1,), warps=4, stages=1, interpret=interpret,
+                 name="sebp_partition")(flags)
 
 
 def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
@@ -225,15 +229,10 @@ def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, mask_rows: bool =
   in_features = kernel.shape[0]
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, mask_rows=mask_rows, precision=precision)
-  return pl.pallas_call(
-    body,
-    out_shape=jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype),
-    grid=(num_rows // config.dx_m, in_features // config.dx_k),
-    compiler_params=pl_triton.CompilerParams(num_warps=config.dx_warps,
-                                             num_stages=config.dx_stages),
-    interpret=interpret,
-    name="sebp_dx",
-  )(count, perm, dy, kernel)
+  return _launch(body, jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype),
+                 grid=(num_rows // config.dx_m, in_features // config.dx_k),
+                 warps=config.dx_warps, stages=config.dx_stages, interpret=interpret,
+                 name="sebp_dx")(count, perm, dy, kernel)
 
 
 def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True,
@@ -252,15 +251,10 @@ def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True
   in_features, out_features = x.shape[1], dy.shape[1]
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
                            block_n=config.dw_n, mask_rows=mask_rows, precision=precision)
-  return pl.pallas_call(
-    body,
-    out_shape=jax.ShapeDtypeStruct((in_features, out_features), x.dtype),
-    grid=(in_features // config.dw_k, out_features // config.dw_n),
-    compiler_params=pl_triton.CompilerParams(num_warps=config.dw_warps,
-                                             num_stages=config.dw_stages),
-    interpret=interpret,
-    name="sebp_dw",
-  )(count, perm, x, dy)
+  return _launch(body, jax.ShapeDtypeStruct((in_features, out_features), x.dtype),
+                 grid=(in_features // config.dw_k, out_features // config.dw_n),
+                 warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
+                 name="sebp_dw")(count, perm, x, dy)
 
 
 def _sparse_backward(x, kernel, dy, perm, count, *, config, mask_rows, precision, interpret):
