@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from parity_tests import reference
+from parity_tests.ids import kwargs_id
 from parity_tests.impls import impl_params, implements
 from parity_tests.jaxprs import count_primitive, dot_output_shapes
 from parity_tests.tolerances import assert_close
@@ -61,7 +62,7 @@ class _TwoLayers(nn.Module):
     return self.dense(2, name=names[1])(nn.relu(self.dense(4, name=names[0])(x)))
 
 
-@pytest.mark.parametrize("config", DENSE_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", DENSE_CONFIGS, ids=kwargs_id)
 def test_sebp_dense_params_equal_dense_params(config):
   x = jnp.ones((2, 9, 11))
   key = jax.random.key(17)
@@ -74,7 +75,7 @@ def test_sebp_dense_params_equal_dense_params(config):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("config", DENSE_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", DENSE_CONFIGS, ids=kwargs_id)
 def test_sebp_dense_runs_on_dense_params(impl, config):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((3, 10, 11)), config.get("dtype", jnp.float32))

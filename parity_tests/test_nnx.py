@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from parity_tests import reference
+from parity_tests.ids import kwargs_id
 from parity_tests.impls import impl_params, implements
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy
@@ -35,7 +36,7 @@ LINEAR_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=kwargs_id)
 def test_sebp_linear_params_equal_linear_params(config):
   sebp = SEBPLinear(11, 7, policy=RowPolicy(max_rows=2), rngs=nnx.Rngs(3), **config)
   dense = nnx.Linear(11, 7, rngs=nnx.Rngs(3), **config)
