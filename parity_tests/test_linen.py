@@ -226,9 +226,10 @@ def _sebp_layers(where, x, mask, **swap_kwargs) -> list[str]:
         seen.append(context.module.name)
     return next_fun(*args, **kwargs)
 
+  params = _block_params()  # outside the spy: a first (uncached) init would run every layer too
   with swap_dense(where=where, **swap_kwargs), nn.intercept_methods(spy):
     jaxpr = jax.make_jaxpr(lambda *args: _loss(*args))(
-      _block_params(), x, mask, jnp.zeros(mask.shape, jnp.int32))
+      params, x, mask, jnp.zeros(mask.shape, jnp.int32))
   # Each SEBP layer is one custom_vjp in the traced program: the swap did reach the matmul.
   assert count_primitive(jaxpr, "custom_vjp_call") == len(seen)
   return seen
