@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from flax import nnx
+from jax import lax
 
 from sebp_jax.matmul import SEBPDotGeneral
 from sebp_jax.policy import RowPolicy
@@ -25,6 +26,7 @@ class SEBPLinear(nnx.Linear):
 
   >>> import jax, jax.numpy as jnp
   >>> from flax import nnx
+from jax import lax
   >>> layer = SEBPLinear(3, 4, rngs=nnx.Rngs(0))
   >>> layer(jnp.ones((2, 7, 3))).shape
   (2, 7, 4)
@@ -64,7 +66,8 @@ def swap_linear(
   for path, module in nnx.iter_graph(model):
     if not isinstance(module, nnx.Linear):
       continue
-    if not (module.dot_general is _PLAIN_DOT_GENERAL or isinstance(module.dot_general, SEBPDotGeneral)):
+    if not (module.dot_general is lax.dot_general
+            or isinstance(module.dot_general, SEBPDotGeneral)):
       continue
     path = tuple(str(part) for part in path)
     if where is not None and not where(path):
@@ -73,5 +76,3 @@ def swap_linear(
     swapped += 1
   return swapped
 
-
-_PLAIN_DOT_GENERAL = nnx.Linear.__init__.__kwdefaults__["dot_general"]

@@ -257,11 +257,20 @@ def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True
                  name="sebp_dw")(count, perm, x, dy)
 
 
+def _in_features(x, kernel) -> int:
+  return kernel.shape[0] if kernel is not None else x.shape[1]
+
+
+def _padded_rows(num_rows: int, config: BlockConfig) -> int:
+  """Rows of ``dy`` (and ``x``) padded to whole row tiles of both kernels."""
+  return _round_up(num_rows, max(config.dx_m, config.dw_m))
+
+
 def _sparse_backward(x, kernel, dy, perm, count, *, config, mask_rows, precision, interpret):
   """Both products through the kernels; operands padded to whole tiles where they are not."""
   num_rows, out_features = dy.shape
-  in_features = (kernel if kernel is not None else x.T).shape[0]
-  m_pad = _round_up(num_rows, max(config.dx_m, config.dw_m))
+  in_features = _in_features(x, kernel)
+  m_pad = _padded_rows(num_rows, config)
   k_pad = _round_up(in_features, max(config.dx_k, config.dw_k))
   n_pad = _round_up(out_features, max(config.dx_n, config.dw_n))
   dy = _pad_to(dy, (m_pad, n_pad))
@@ -294,13 +303,12 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
   """
   num_rows, out_features = dy.shape
-  in_features = (kernel if kernel is not None else x.T).shape[0]
   if config is None:
-    config = block_config(num_rows, in_features, out_features, dy.dtype)
+    config = block_config(num_rows, _in_features(x, kernel), out_features, dy.dtype)
   keep = keep_mask(dy, policy)
   # Padding rows (of `dy` padded to whole tiles) come last in `perm`: dropped, never gathered as
   # kept; positions below the padded row count only ever name rows below it.
-  perm, count = partition_pallas(_pad_to(keep, (_round_up(num_rows, max(config.dx_m, config.dw_m)),)),
+  perm, count = partition_pallas(_pad_to(keep, (_padded_rows(num_rows, config),)),
                                  interpret=interpret)
   # Under the exact policy every dropped row is zero already: no masking in the kernels.
   sparse = functools.partial(_sparse_backward, config=config, mask_rows=not policy.is_exact,
