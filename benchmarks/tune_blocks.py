@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.layer import ideal_backward, sebp_backward
 from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
 from benchmarks.timing import device_time_ms, environment
 from sebp_jax.backends import pallas as pallas_backend
@@ -37,17 +38,11 @@ CANDIDATES = {
                      dw_m=64, dw_k=256, dw_n=64, dw_warps=4, dw_stages=4),
 }
 
-
-def _dense_bwd(x, w, dy):
-  return jax.vjp(lambda x, w: x @ w, x, w)[1](dy)
+_DENSE_BACKWARD = sebp_backward("dense")
 
 
 def _selection(dy):
   return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
-
-
-def _ideal(x_rows, w, dy_rows):
-  return dy_rows @ w.T, x_rows.T @ dy_rows
 
 
 def main() -> None:
@@ -66,20 +61,20 @@ def main() -> None:
     for fraction in args.fractions:
       sets = [padded_gradient(shape, fraction, dtype, seed) for seed in range(args.reps)]
       x, w, dy, count = sets[0]
-      expected = _dense_bwd(x, w, dy)
+      expected = _DENSE_BACKWARD(x, w, dy)
       keep = np.asarray(jnp.max(jnp.abs(dy), axis=1) > 0)
       ideal_sets = [(s[0][keep], s[1], s[2][keep]) for s in sets]
       base = {"shape": shape_name, "M": shape.rows, "K": shape.in_features,
               "N": shape.out_features, "active_fraction": count / shape.rows}
       timings = {
-        "dense": device_time_ms(_dense_bwd, [s[:3] for s in sets]),
-        "ideal": device_time_ms(_ideal, ideal_sets),
+        "dense": device_time_ms(_DENSE_BACKWARD, [s[:3] for s in sets]),
+        "ideal": device_time_ms(ideal_backward, ideal_sets),
         "xla": device_time_ms(functools.partial(xla_backend.backward, policy=RowPolicy()),
                               [s[:3] for s in sets]),
         "selection": device_time_ms(_selection, [s[2:3] for s in sets]),
       }
       for name in args.configs:
-        config = dataclasses.replace(CANDIDATES[name])
+        config = CANDIDATES[name]
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)
