@@ -169,7 +169,8 @@ def markdown_table(rows: list[dict]) -> str:
         by_case.setdefault((row["shape"], row["M"], row["K"], row["N"], row["active_fraction"]), {})[row["impl"]] = row
     graphed = [i for i in IMPLS if i != "sebp_torch"]
     lines = [
-        f"Backward of one linear layer, bf16, {rows[0]['device']}; ms, median of do_bench. "
+        f"Backward of one linear layer, bf16, {rows[0]['device']}, torch {torch.__version__}, "
+        f"triton {triton.__version__}; ms, median of do_bench. "
         "Eager: called from Python; graph: replayed from a CUDA graph (GPU time only).",
         "",
         "| shape | M | K | N | active | " + " | ".join(f"{i} eager" for i in IMPLS) + " | "
