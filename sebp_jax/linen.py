@@ -109,7 +109,7 @@ import jax
         return next_fun(*args, **kwargs)
       finally:
         object.__setattr__(module, "dot_general", None)
-    if (type(module) is nn.Embed and method == "attend"
+    if (isinstance(module, nn.Embed) and method == "attend"
         and selected((*module.path, "attend"))):
       return _embed_attend(module, *args, dot_general=dot_general, **kwargs)
     return next_fun(*args, **kwargs)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
+from sebp_jax.models.embedding import Embed
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification"]
 
@@ -107,8 +108,8 @@ class _BertModule(nn.Module):
       epsilon=self.config.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
       name=name)
 
-  def embed(self, num: int, name: str) -> nn.Embed:
-    return nn.Embed(
+  def embed(self, num: int, name: str) -> Embed:
+    return Embed(
       num, self.config.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
       embedding_init=nn.initializers.normal(self.config.initializer_range))
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
+from sebp_jax.models.embedding import Embed
 
 __all__ = ["RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
            "rope_inverse_frequencies", "IGNORE_INDEX"]
@@ -245,7 +246,7 @@ class LlamaModel(_LlamaModule):
   def setup(self):
     cfg = self.config
     kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype)
-    self.embed_tokens = nn.Embed(
+    self.embed_tokens = Embed(
       cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
       embedding_init=nn.initializers.normal(cfg.initializer_range))
     self.layers = [LlamaDecoderLayer(**kw) for _ in range(cfg.num_hidden_layers)]
