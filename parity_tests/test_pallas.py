@@ -55,12 +55,16 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("dw_split", [1, 3])
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 32, 33, 75])
-def test_count_around_block_boundaries(interpret, count):
+def test_count_around_block_boundaries(interpret, dw_split, count):
+  # dw_split=3: the 1..5 row blocks are shared unevenly by three programs, some with none.
   rng = np.random.default_rng(count)
   num_rows = 75  # not a multiple of 16: the last row tile is partial
   kept = np.sort(rng.choice(num_rows, count, replace=False))
-  _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "dw_split": dw_split})
+  _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret,
+         config=config)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -120,7 +124,7 @@ def test_only_one_product_requested(interpret):
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("num_rows", [1, 7, 1024, 1500, 4096])
+@pytest.mark.parametrize("num_rows", [1, 7, 1500, 4096, 40000])  # 40000: three chunks
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 def test_partition_kernel(interpret, num_rows, density):
   rng = np.random.default_rng(num_rows)
@@ -145,3 +149,12 @@ def test_block_table_shrinks_to_small_layers():
   config = pallas_backend.block_config(20, 9, 300, jnp.bfloat16)
   assert config.dx_m == config.dw_m == 32 and config.dx_k == config.dw_k == 16
   assert config.dw_n == 128  # 300 columns keep the table's tile
+
+
+@pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
+                                             (132, 4, 4)])
+def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: sms)
+  config = pallas_backend.block_config(4096, 128 * tiles, 128, jnp.bfloat16)
+  assert config.dw_k == config.dw_n == 128
+  assert config.dw_split == split

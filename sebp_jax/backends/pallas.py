@@ -38,7 +38,9 @@ class BlockConfig:
 
   ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
-  of ``dw_m``. ``crossover``: the kept-row fraction above which the dense backward runs instead.
+  of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
+  partial tiles summed afterwards. ``crossover``: the kept-row fraction above which the dense
+  backward runs instead.
   """
 
   dx_m: int = 64
@@ -51,6 +53,7 @@ class BlockConfig:
   dw_n: int = 128
   dw_warps: int = 8
   dw_stages: int = 3
+  dw_split: int = 1
   crossover: float = 0.4
 
 
@@ -63,6 +66,9 @@ _BLOCK_TABLE: dict[tuple[str, int], BlockConfig] = {
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
+# The most programs :func:`block_config` lets share one dW tile. Each adds a float32 partial tile
+# to write and sum; past 4 that pass costs more than the idle SMs it fills.
+_MAX_DW_SPLIT = 4
 
 
 def _gpu_generation() -> str:
@@ -77,21 +83,39 @@ def _gpu_generation() -> str:
   return "unknown"
 
 
+def _sm_count() -> int | None:
+  """Streaming multiprocessors of the default device, or ``None`` off GPU."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  return getattr(device, "core_count", None) if device.platform == "gpu" else None
+
+
 def _fit(block: int, dim: int) -> int:
   """``block`` shrunk to the smallest power of two >= ``dim`` (never below ``_MIN_BLOCK``)."""
   return max(_MIN_BLOCK, min(block, pl.next_power_of_2(dim)))
 
 
 def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> BlockConfig:
-  """Tile sizes for an ``(M, K) x (K, N)`` layer: the table's entry, shrunk to small shapes."""
+  """Tile sizes for an ``(M, K) x (K, N)`` layer: the table's entry, shrunk to small shapes.
+
+  A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
+  132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
+  """
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize), _DEFAULT_CONFIG)
-  return dataclasses.replace(
+  config = dataclasses.replace(
     base,
     dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
     dx_n=_fit(base.dx_n, out_features),
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
     dw_n=_fit(base.dw_n, out_features),
   )
+  sms = _sm_count()
+  if sms:
+    tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
+    config = dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
+  return config
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -113,8 +137,11 @@ def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, 
     interpret=interpret, name=name)
 
 
-# Rows the partition kernel handles per step: one scan of this many flags at a time.
-_PARTITION_CHUNK = 1024
+# Rows the partition kernel handles per step (one scan of this many flags at a time), and its warps.
+# On an H200 at 16K rows one 16K-row scan takes 12 µs, sixteen 1K-row scans 22 µs
+# (benchmarks/NOTES.md, v4); warps 4 to 16 make no difference.
+_PARTITION_CHUNK = 16384
+_PARTITION_WARPS = 4
 
 
 def _partition_kernel(keep_ref, perm_ref, count_ref, *, chunk: int):
@@ -159,7 +186,7 @@ def partition_pallas(keep: jax.Array, *, interpret: bool = False):
   return _launch(functools.partial(_partition_kernel, chunk=chunk),
                  (jax.ShapeDtypeStruct(flags.shape, jnp.int32),
                   jax.ShapeDtypeStruct((1,), jnp.int32)),
-                 grid=(1,), warps=4, stages=1, interpret=interpret,
+                 grid=(1,), warps=_PARTITION_WARPS, stages=1, interpret=interpret,
                  name="sebp_partition")(flags)
 
 
@@ -190,9 +217,11 @@ def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
 
 
 def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, mask_rows: bool, precision):
-  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only."""
-  k_block, n_block = pl.program_id(0), pl.program_id(1)
+               block_m: int, block_k: int, block_n: int, split: int, mask_rows: bool,
+               precision):
+  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[split_index]``)."""
+  k_block, n_block, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count = count_ref[0]
   k_span = pl.ds(k_block * block_k, block_k)
   n_span = pl.ds(n_block * block_n, block_n)
@@ -206,10 +235,18 @@ def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
     return acc + lax.dot_general(x_ref[rows, k_span], dy, DW_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
-  # Runtime trip count: the cost follows the kept rows, not the padded length.
-  acc = lax.fori_loop(0, pl.cdiv(count, block_m), step,
+  # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
+  # takes the `part`-th of `split` contiguous runs of row blocks.
+  blocks = pl.cdiv(count, block_m)
+  per_part = pl.cdiv(blocks, split)
+  first = part * per_part
+  steps = jnp.maximum(jnp.minimum(blocks - first, per_part), 0)
+  acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
                       jnp.zeros((block_k, block_n), jnp.float32))
-  dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+  if split == 1:
+    dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+  else:
+    dw_ref[part, k_span, n_span] = acc
 
 
 def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, mask_rows: bool = True,
@@ -249,12 +286,17 @@ def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True
     ``(K, N)`` in ``x.dtype``.
   """
   in_features, out_features = x.shape[1], dy.shape[1]
+  split = config.dw_split
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
-                           block_n=config.dw_n, mask_rows=mask_rows, precision=precision)
-  return _launch(body, jax.ShapeDtypeStruct((in_features, out_features), x.dtype),
-                 grid=(in_features // config.dw_k, out_features // config.dw_n),
-                 warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
-                 name="sebp_dw")(count, perm, x, dy)
+                           block_n=config.dw_n, split=split, mask_rows=mask_rows,
+                           precision=precision)
+  out_shape = ((in_features, out_features), x.dtype) if split == 1 else (
+    (split, in_features, out_features), jnp.float32)
+  dw = _launch(body, jax.ShapeDtypeStruct(*out_shape),
+               grid=(in_features // config.dw_k, out_features // config.dw_n, split),
+               warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
+               name="sebp_dw")(count, perm, x, dy)
+  return dw if split == 1 else dw.sum(axis=0).astype(x.dtype)
 
 
 def _in_features(x, kernel) -> int:
