@@ -277,7 +277,7 @@ def free_linear_backward() -> Iterator[None]:
         return next_fun(*args, **kwargs)
       finally:
         object.__setattr__(module, "dot_general", None)
-    if type(module) is nn.Embed and method == "attend":
+    if isinstance(module, nn.Embed) and method == "attend":
       (query,) = args
       query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
       return _free_dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))

@@ -405,7 +405,7 @@ def _perturb_linear_outputs() -> Iterator[None]:
     out = next_fun(*args, **kwargs)
     module, method = context.module, context.method_name
     if ((type(module) is nn.Dense and method == "__call__")
-        or (type(module) is nn.Embed and method == "attend")):
+        or (isinstance(module, nn.Embed) and method == "attend")):
       out = module.perturb(method, out)
     return out
 

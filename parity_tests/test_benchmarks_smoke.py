@@ -9,6 +9,7 @@ runs check the result file's schema and that every variant produced finite times
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -153,6 +154,24 @@ def test_free_linear_backward_keeps_the_backward_between_linear_layers():
 
   hlo = jax.jit(jax.grad(free_loss)).lower(params, x).compile().as_text()
   assert "cosine" in hlo
+
+
+def test_free_linear_backward_reaches_the_models_tied_head():
+  # LLaMA-3.2's output projection is the models' Embed.attend (a subclass of nn.Embed).
+  from sebp_jax.models.embedding import Embed
+
+  embed = Embed(11, 6)
+  query = jax.random.normal(jax.random.key(1), (4, 6))
+  params = embed.init(jax.random.key(0), query, method="attend")
+
+  def head_grad(free: bool):
+    def loss(params):
+      with workloads.free_linear_backward() if free else contextlib.nullcontext():
+        return jnp.sum(embed.apply(params, query, method="attend") ** 2)
+    return jax.grad(loss)(params)["params"]["embedding"]
+
+  assert np.abs(head_grad(False)).max() > 0
+  np.testing.assert_array_equal(head_grad(True), 0.0)
 
 
 def _run(script: str, out_dir: Path, *args: str) -> dict:
