@@ -324,11 +324,14 @@ _LENGTHS, _TOKENS = (16, 9, 4, 11), 16
 _SEQUENCE_WEIGHTS = (1.0, 1.0, 1.0, 1e-7)
 # Per architecture: the non-exact policies (threshold in the gap; max_rows cutting among the
 # loud rows of the layers that see every token).
+# The threshold sits 10x above the loudest rounding-noise row seen (5.6e-8: a causal sequence's
+# first-token query rows, zero in exact arithmetic, under torch on an H200) and 10x below the
+# quietest loud row; the frameworks differ by rounding only (~1e-6 relative), far inside 10x.
 _MODEL_POLICIES: dict[str, dict[str, PolicyFields]] = {
-  "bert": {"exact": EXACT, "threshold": (1e-6, None), "max_rows": (0.0, 20)},
-  "llama": {"exact": EXACT, "threshold": (1e-6, None), "max_rows": (0.0, 25)},
+  "bert": {"exact": EXACT, "threshold": (2e-6, None), "max_rows": (0.0, 20)},
+  "llama": {"exact": EXACT, "threshold": (2e-6, None), "max_rows": (0.0, 25)},
 }
-_SEPARATION = 30.0  # every row score at least this factor away from the threshold
+_SEPARATION = 10.0  # every row score at least this factor away from the threshold
 _NORM_GAP = 1e-2  # relative gap between the last kept and the first dropped L2 norm
 # Some gradients are zero in exact arithmetic but rounding noise in practice: the key bias
 # (softmax ignores a per-query constant), the query rows of a causal sequence's first token
