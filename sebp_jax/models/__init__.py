@@ -5,6 +5,7 @@
 """
 
 from sebp_jax.models.bert import BertConfig, BertForSequenceClassification, BertModel
+from sebp_jax.models.embedding import Embed
 from sebp_jax.models.hf_import import (SUPPORTED_ARCHITECTURES, build_module, convert_state_dict,
                                        from_hf, from_pretrained)
 from sebp_jax.models.llama import (LlamaConfig, LlamaForCausalLM, LlamaModel, RopeScaling,
@@ -13,5 +14,6 @@ from sebp_jax.models.llama import (LlamaConfig, LlamaForCausalLM, LlamaModel, Ro
 __all__ = [
   "BertConfig", "BertModel", "BertForSequenceClassification",
   "LlamaConfig", "RopeScaling", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
+  "Embed",
   "SUPPORTED_ARCHITECTURES", "build_module", "convert_state_dict", "from_hf", "from_pretrained",
 ]
