@@ -9,7 +9,9 @@ The plan (DESIGN §5):
   ``dx[perm[rows]]``; a block past ``count`` only stores zeros. Every row of ``dx`` is written
   exactly once: no memset, no atomics, no compacted copy;
 * **dW kernel**: grid over output tiles; each program loops over the kept rows only, with the
-  runtime trip count ``cdiv(count, block_m)``, gathering ``x`` and ``dy`` rows through ``perm``;
+  runtime trip count ``cdiv(count, block_m)``, gathering ``x`` and ``dy`` rows through ``perm``.
+  Where the tiles are fewer than the GPU's SMs, ``dw_split`` programs share a tile's rows and XLA
+  sums their float32 partial tiles;
 * **crossover**: above a measured fraction of kept rows ``lax.cond`` runs the dense backward.
 
 Every Pallas detail of the project lives in this file.
