@@ -37,7 +37,6 @@ class SEBPDense(nn.Dense):
 
     >>> import jax, jax.numpy as jnp
     >>> import flax.linen as nn
-import jax
     >>> layer = SEBPDense(features=4)
     >>> params = layer.init(jax.random.key(0), jnp.ones((2, 7, 3)))
     >>> jax.tree_util.tree_map(jnp.shape, params)
@@ -84,7 +83,6 @@ def swap_dense(
 
   >>> import jax, jax.numpy as jnp
   >>> import flax.linen as nn
-import jax
   >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
   >>> x = jnp.ones((4, 3))
   >>> params = model.init(jax.random.key(0), x)

@@ -26,7 +26,6 @@ class SEBPLinear(nnx.Linear):
 
   >>> import jax, jax.numpy as jnp
   >>> from flax import nnx
-from jax import lax
   >>> layer = SEBPLinear(3, 4, rngs=nnx.Rngs(0))
   >>> layer(jnp.ones((2, 7, 3))).shape
   (2, 7, 4)
