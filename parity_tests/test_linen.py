@@ -395,3 +395,27 @@ def test_swap_dense_reaches_tied_output_projection(impl):
   want = jax.grad(reference_loss)(params)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     assert_close(g, w, jnp.float32, what=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("crossover,conds", [(None, 1), (1.0, 0)])
+def test_crossover_reaches_the_backward(crossover, conds):
+  # Through SEBPDense and through swap_dense: 1.0 compiles the dense-branch conditional out.
+  x = jax.random.normal(jax.random.key(0), (2, 9, 5))
+  layer = SEBPDense(7, impl="interpret", crossover=crossover)
+  params = layer.init(jax.random.key(1), x)
+  grad = lambda apply: jax.make_jaxpr(jax.grad(lambda p: jnp.sum(apply(p) ** 2)))(params)
+  assert count_primitive(grad(lambda p: layer.apply(p, x)), "cond") == conds
+
+  def swapped(p):
+    with swap_dense(impl="interpret", crossover=crossover):
+      return nn.Dense(7).apply(p, x)
+
+  assert count_primitive(grad(swapped), "cond") == conds
+
+
+def test_bad_crossover_is_named_when_the_layer_is_built():
+  with pytest.raises(ValueError, match="`crossover`"):
+    SEBPDense(3, crossover=0.0)
+  with pytest.raises(ValueError, match="`crossover`"):
+    with swap_dense(crossover=-1.0):
+      pass

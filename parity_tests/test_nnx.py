@@ -11,6 +11,7 @@ from flax import nnx
 from parity_tests import reference
 from parity_tests.ids import kwargs_id
 from parity_tests.impls import impl_params, implements
+from parity_tests.jaxprs import count_primitive
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy
 from sebp_jax.matmul import SEBPDotGeneral
@@ -172,3 +173,22 @@ def test_one_trace_across_batches_of_different_padding(impl):
     x, real = _padded(10 + seed)
     _assert_states_close(grad(model, x, real), dense_grad(dense, x, real), f"batch {seed}")
   assert len(traces) == 1
+
+
+@pytest.mark.parametrize("crossover,conds", [(None, 1), (1.0, 0)])
+def test_crossover_reaches_the_backward(crossover, conds):
+  # Through SEBPLinear and through swap_linear: 1.0 compiles the dense-branch conditional out.
+  x = jax.random.normal(jax.random.key(0), (2, 9, 5))
+  built = SEBPLinear(5, 7, impl="interpret", crossover=crossover, rngs=nnx.Rngs(0))
+  swapped = nnx.Linear(5, 7, rngs=nnx.Rngs(0))
+  assert swap_linear(swapped, impl="interpret", crossover=crossover) == 1
+  for layer in (built, swapped):
+    grad = nnx.grad(lambda layer: jnp.sum(layer(x) ** 2))
+    assert count_primitive(jax.make_jaxpr(grad)(layer), "cond") == conds
+
+
+def test_bad_crossover_is_named_when_the_layer_is_built():
+  with pytest.raises(ValueError, match="`crossover`"):
+    SEBPLinear(5, 7, crossover=0.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="`crossover`"):
+    swap_linear(nnx.Linear(5, 7, rngs=nnx.Rngs(0)), crossover="high")

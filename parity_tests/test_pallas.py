@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parity_tests.jaxprs import count_primitive
 from parity_tests.reference import keep_mask as reference_keep_mask
 from parity_tests.reference import sebp_reference
 from parity_tests.tolerances import assert_close
-from sebp_jax import RowPolicy
+from sebp_jax import RowPolicy, sebp_matmul
 from sebp_jax.backends import pallas as pallas_backend
+from sebp_jax.matmul import SEBPDotGeneral
 
 # Tiles of 16 rows (Triton's smallest dot) make block boundaries cheap to reach.
 SMALL_TILES = pallas_backend.BlockConfig(
@@ -158,3 +160,33 @@ def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
   config = pallas_backend.block_config(4096, 128 * tiles, 128, jnp.bfloat16)
   assert config.dw_k == config.dw_n == 128
   assert config.dw_split == split
+
+
+def _conds_in_backward(run, x, kernel):
+  """``cond`` equations in the jaxpr of ``run``'s gradient with respect to ``x`` and ``kernel``."""
+  grad = jax.grad(lambda x, k: jnp.sum(run(x, k) ** 2), argnums=(0, 1))
+  return count_primitive(jax.make_jaxpr(grad)(x, kernel), "cond")
+
+
+@pytest.mark.parametrize("crossover,conds", [(None, 1), (0.25, 1), (1.0, 0), (3.0, 0)])
+def test_crossover_argument_compiles_the_conditional_in_or_out(crossover, conds):
+  # None: the block table's crossover (0.4 off the table too); >= 1: no conditional at all. The
+  # gradient is the contract's in every case, with every row kept (count = M, past any crossover).
+  rng = np.random.default_rng(5)
+  x, kernel, dy = _case(rng, 40, 24, 33, np.arange(40), jnp.float32)
+  run = lambda x, k: sebp_matmul(x, k, impl="interpret", crossover=crossover,
+                                 precision=jax.lax.Precision.HIGHEST)
+  assert _conds_in_backward(run, x, kernel) == conds
+  dx, dw = jax.vjp(run, x, kernel)[1](dy)
+  want_dx, want_dw = sebp_reference(x, kernel, None, dy)
+  assert_close(dx, want_dx, jnp.float32, what="dx")
+  assert_close(dw, want_dw, jnp.float32, what="dw")
+
+
+@pytest.mark.parametrize("crossover", [0, -0.5, float("nan"), "0.4", True])
+def test_bad_crossover_is_named(crossover):
+  x = jnp.ones((4, 3))
+  with pytest.raises(ValueError, match="`crossover`"):
+    sebp_matmul(x, jnp.ones((3, 2)), crossover=crossover)
+  with pytest.raises(ValueError, match="`crossover`"):
+    SEBPDotGeneral(crossover=crossover)

@@ -24,7 +24,7 @@ class SEBPDense(nn.Dense):
   """``nn.Dense`` whose backward runs on the active rows of the output gradient only.
 
   The same attributes, parameter names, shapes and initialisers as ``nn.Dense`` (a checkpoint
-  moves between the two untouched), plus the two below. Like any linen module, an unnamed
+  moves between the two untouched), plus the three below. Like any linen module, an unnamed
   ``SEBPDense`` is auto-named after its class (``SEBPDense_0`` where ``nn.Dense`` is
   ``Dense_0``): name the layers, or keep ``nn.Dense`` and use :func:`swap_dense`, where a
   checkpoint of auto-named layers must fit both.
@@ -32,6 +32,8 @@ class SEBPDense(nn.Dense):
   Attributes:
     policy: which output-gradient rows to keep (:class:`sebp_jax.RowPolicy`; exact by default).
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
+    crossover: the kept-row fraction above which the dense backward runs instead, as in
+      :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
 
   Example usage::
 
@@ -47,6 +49,7 @@ class SEBPDense(nn.Dense):
 
   policy: RowPolicy = RowPolicy()
   impl: str = "auto"
+  crossover: float | None = None
 
   def __post_init__(self):
     if self.dot_general_cls is not None or not (
@@ -54,8 +57,9 @@ class SEBPDense(nn.Dense):
       raise ValueError(
         "SEBPDense: `dot_general` and `dot_general_cls` are SEBP's own; leave them unset.")
     # The SEBP matmul is Dense's own dot_general hook, so Dense's __call__ runs unchanged. Set on
-    # every construction (clones included) from `policy` and `impl`.
-    object.__setattr__(self, "dot_general", SEBPDotGeneral(self.policy, self.impl))
+    # every construction (clones included) from `policy`, `impl` and `crossover`.
+    object.__setattr__(self, "dot_general",
+                       SEBPDotGeneral(self.policy, self.impl, self.crossover))
     super().__post_init__()
 
 
@@ -65,6 +69,7 @@ def swap_dense(
   *,
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
+  crossover: float | None = None,
 ) -> Iterator[None]:
   """Run every ``nn.Dense`` called inside the block with the SEBP backward.
 
@@ -80,6 +85,8 @@ def swap_dense(
     where: predicate on the module path, e.g. ``("encoder", "layer_3", "intermediate", "dense")``,
       choosing the layers that get SEBP; ``None`` selects every Dense.
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
+    crossover: the kept-row fraction above which the dense backward runs instead, as in
+      :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
 
   >>> import jax, jax.numpy as jnp
   >>> import flax.linen as nn
@@ -89,7 +96,7 @@ def swap_dense(
   >>> with swap_dense(where=lambda path: path[-1] == "layers_2"):
   ...   grads = jax.grad(lambda p: model.apply(p, x).sum())(params)
   """
-  dot_general = SEBPDotGeneral(policy, impl)
+  dot_general = SEBPDotGeneral(policy, impl, crossover)
 
   def selected(path: ModulePath) -> bool:
     return where is None or where(path)

@@ -38,12 +38,24 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
-def _backend(impl: str):
+def _check_crossover(crossover: float | None) -> None:
+  """Raises ``ValueError`` unless ``crossover`` is ``None`` or a fraction above 0."""
+  if crossover is not None and (isinstance(crossover, bool)
+                                or not isinstance(crossover, (int, float)) or not crossover > 0):
+    raise ValueError(
+      f"`crossover` must be None (the backend's measured default) or a kept-row fraction "
+      f"> 0 (>= 1: never run the dense backward), got {crossover!r}.")
+
+
+def _backend(impl: str, crossover: float | None):
   if impl == "xla":
+    # Its capacity switch is its own crossover (the dense branch past M/2): `crossover` is a
+    # Pallas setting.
     return xla_backend.backward
   # Imported lazily: Pallas (and its Triton lowering) is only needed where it runs.
   from sebp_jax.backends import pallas as pallas_backend
-  return functools.partial(pallas_backend.backward, interpret=(impl == "interpret"))
+  return functools.partial(pallas_backend.backward, interpret=(impl == "interpret"),
+                           crossover=crossover)
 
 
 def _check_operands(x, kernel, bias) -> None:
@@ -74,12 +86,12 @@ def _forward(x, kernel, precision):
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sebp_product(policy: RowPolicy, impl: str, precision, x, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, x, kernel):
   return _forward(x, kernel, precision)
 
 
-def _sebp_product_fwd(policy, impl, precision, x, kernel):
+def _sebp_product_fwd(policy, impl, crossover, precision, x, kernel):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision)
@@ -88,13 +100,14 @@ def _sebp_product_fwd(policy, impl, precision, x, kernel):
   return y, (saved_x, saved_kernel)
 
 
-def _sebp_product_bwd(policy, impl, precision, residuals, dy):
+def _sebp_product_bwd(policy, impl, crossover, precision, residuals, dy):
   saved_x, saved_kernel = residuals
   if isinstance(dy, SymbolicZero):
     return None, None
   x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
   dy2d = dy.reshape(-1, dy.shape[-1])
-  dx2d, dw = _backend(impl)(x2d, saved_kernel, dy2d, policy=policy, precision=precision)
+  dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
+                                       precision=precision)
   dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
   return dx, dw
 
@@ -110,6 +123,7 @@ def sebp_matmul(
   policy: RowPolicy = RowPolicy(),
   impl: str = "auto",
   precision: Any = None,
+  crossover: float | None = None,
 ) -> jax.Array:
   """``x @ kernel + bias`` with the SEBP backward.
 
@@ -125,6 +139,12 @@ def sebp_matmul(
     impl: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"pallas"``, ``"xla"``, ``"interpret"``
       (the Pallas kernels through the Pallas interpreter) or ``"dense"`` (the plain backward).
     precision: ``lax.Precision`` for the forward and backward matmuls.
+    crossover: the kept-row fraction above which the Pallas backward runs the dense products
+      instead, through a ``lax.cond``. ``None``: the measured value of the block table (0.4 on
+      Hopper). ``>= 1``: never, and no conditional is compiled at all: XLA:GPU waits on the host
+      for each conditional's predicate (~27 µs per layer on an H200, ~2 ms of a BERT-base step),
+      so training on short sequences that never cross is faster without it. The ``xla`` backend
+      has its own capacity switch and ignores it.
 
   Returns:
     ``(..., N)`` output in the promoted dtype of ``x``, ``kernel`` (and ``bias``); each gradient
@@ -140,6 +160,7 @@ def sebp_matmul(
   _check_operands(x, kernel, bias)
   if not isinstance(policy, RowPolicy):
     raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
+  _check_crossover(crossover)
   impl = resolve_impl(impl)
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
@@ -148,7 +169,7 @@ def sebp_matmul(
   if impl == "dense":
     y = _forward(x, kernel, precision)
   else:
-    y = _sebp_product(policy, impl, precision, x, kernel)
+    y = _sebp_product(policy, impl, crossover, precision, x, kernel)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
@@ -168,11 +189,13 @@ class SEBPDotGeneral:
 
   policy: RowPolicy = RowPolicy()
   impl: str = "auto"
+  crossover: float | None = None
 
   def __post_init__(self):
     if not isinstance(self.policy, RowPolicy):
       raise TypeError(f"`policy` must be a RowPolicy, got {type(self.policy).__name__}.")
-    resolve_impl(self.impl)  # reject an unknown impl when the layer is built
+    resolve_impl(self.impl)  # reject an unknown impl (or crossover) when the layer is built
+    _check_crossover(self.crossover)
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, **kwargs):
@@ -185,7 +208,8 @@ class SEBPDotGeneral:
     if not (is_matmul and plain):
       return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                              preferred_element_type=preferred_element_type, **kwargs)
-    return sebp_matmul(lhs, rhs, policy=self.policy, impl=self.impl, precision=precision)
+    return sebp_matmul(lhs, rhs, policy=self.policy, impl=self.impl, precision=precision,
+                       crossover=self.crossover)
 
 
 def _same_dims(dims, expected) -> bool:

@@ -22,7 +22,8 @@ ModulePath = tuple[str, ...]
 class SEBPLinear(nnx.Linear):
   """``nnx.Linear`` whose backward runs on the active rows of the output gradient only.
 
-  Takes ``nnx.Linear``'s arguments (and has its parameters) plus ``policy`` and ``impl``.
+  Takes ``nnx.Linear``'s arguments (and has its parameters) plus ``policy``, ``impl`` and
+  ``crossover``, as :func:`sebp_jax.sebp_matmul` does.
 
   >>> import jax, jax.numpy as jnp
   >>> from flax import nnx
@@ -32,11 +33,12 @@ class SEBPLinear(nnx.Linear):
   """
 
   def __init__(self, in_features: int, out_features: int, *,
-               policy: RowPolicy = RowPolicy(), impl: str = "auto", **kwargs):
+               policy: RowPolicy = RowPolicy(), impl: str = "auto",
+               crossover: float | None = None, **kwargs):
     if "dot_general" in kwargs:
       raise ValueError("SEBPLinear: `dot_general` is SEBP's own; leave it unset.")
     super().__init__(in_features, out_features,
-                     dot_general=SEBPDotGeneral(policy, impl), **kwargs)
+                     dot_general=SEBPDotGeneral(policy, impl, crossover), **kwargs)
 
 
 def swap_linear(
@@ -45,6 +47,7 @@ def swap_linear(
   *,
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
+  crossover: float | None = None,
 ) -> int:
   """Give the ``nnx.Linear`` layers of ``model`` the SEBP backward, in place.
 
@@ -56,11 +59,13 @@ def swap_linear(
     where: predicate on the module path (a tuple of attribute names and indices, as strings),
       choosing the layers that get SEBP; ``None`` selects every Linear.
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
+    crossover: the kept-row fraction above which the dense backward runs instead, as in
+      :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
 
   Returns:
     The number of layers swapped.
   """
-  dot_general = SEBPDotGeneral(policy, impl)
+  dot_general = SEBPDotGeneral(policy, impl, crossover)
   swapped = 0
   for path, module in nnx.iter_graph(model):
     if not isinstance(module, nnx.Linear):

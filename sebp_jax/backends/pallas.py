@@ -331,7 +331,7 @@ def _sparse_backward(x, kernel, dy, perm, count, *, config, mask_rows, precision
 
 
 def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,
-             config: BlockConfig | None = None):
+             config: BlockConfig | None = None, crossover: float | None = None):
   """SEBP backward of ``y = x @ kernel`` through the Pallas kernels.
 
   Args:
@@ -342,6 +342,7 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     precision: ``lax.Precision`` of the products.
     interpret: run the kernels in the Pallas interpreter (any backend; how CI tests them).
     config: tile sizes; by default from the table for this GPU, dtype and shape.
+    crossover: overrides ``config.crossover`` (see :func:`sebp_jax.sebp_matmul`).
 
   Returns:
     ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
@@ -349,6 +350,8 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
   num_rows, out_features = dy.shape
   if config is None:
     config = block_config(num_rows, _in_features(x, kernel), out_features, dy.dtype)
+  if crossover is not None:
+    config = dataclasses.replace(config, crossover=crossover)
   keep = keep_mask(dy, policy)
   # Padding rows (of `dy` padded to whole tiles) come last in `perm`: dropped, never gathered as
   # kept; positions below the padded row count only ever name rows below it.
