@@ -20,7 +20,9 @@ Variants (:data:`VARIANTS`)
   backward costs nothing, the limit SEBP approaches), ``jax-dynamic`` (the dense model on each
   batch cut to its own longest sequence, rounded up to a multiple: the padding-free bound, paid for
   with one compilation per length bucket), ``torch-dense`` (Hugging Face, SDPA attention) and
-  ``torch-sebp`` (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA).
+  ``torch-sebp`` (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA); ``jax-sebp-pallas-nocond``
+  is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch ``lax.cond``, whose predicate XLA
+  fetches to the host once per layer).
 
 Measurement
   Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
@@ -197,11 +199,13 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, and its ``impl``."""
+  """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, its ``impl``, and for
+  the SEBP variants the ``crossover`` passed to :func:`sebp_jax.swap_dense`."""
 
   name: str
   framework: str
   impl: str
+  crossover: float | None = None
 
 
 # In the order they run: the most telling first, in case the time budget cuts a run short.
@@ -213,6 +217,8 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
+  # The dense-branch conditional compiled out: what its host round trips cost per step.
+  Variant("jax-sebp-pallas-nocond", "jax", "pallas", crossover=1.0),
 )
 BASELINE = "jax-dense"
 
@@ -292,7 +298,7 @@ def _jax_context(variant: Variant) -> contextlib.AbstractContextManager:
   from sebp_jax import RowPolicy, swap_dense
 
   if variant.impl in ("pallas", "xla"):
-    return swap_dense(RowPolicy(), impl=variant.impl)
+    return swap_dense(RowPolicy(), impl=variant.impl, crossover=variant.crossover)
   if variant.impl == "bound":
     return free_linear_backward()
   return contextlib.nullcontext()

@@ -174,6 +174,23 @@ def test_free_linear_backward_reaches_the_models_tied_head():
   np.testing.assert_array_equal(head_grad(True), 0.0)
 
 
+@pytest.mark.parametrize("name,conds", [("jax-sebp-pallas", 1), ("jax-sebp-pallas-nocond", 0)])
+def test_sebp_variants_pass_their_crossover(name, conds):
+  from parity_tests.jaxprs import count_primitive
+
+  variant = {v.name: v for v in workloads.VARIANTS}[name]
+  x = jnp.ones((2, 16, 8))
+  dense = nn.Dense(16)
+  params = dense.init(jax.random.key(0), x)
+
+  def loss(params):
+    with workloads._jax_context(variant):
+      return jnp.sum(dense.apply(params, x) ** 2)
+
+  # Traced, not run: the Pallas kernels need a GPU, the jaxpr does not.
+  assert count_primitive(jax.make_jaxpr(jax.grad(loss))(params), "cond") == conds
+
+
 def _run(script: str, out_dir: Path, *args: str) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
              PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
