@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import pathlib
 import re
 from typing import Any, Callable, Iterator
 
@@ -47,7 +48,8 @@ from sebp_jax.models import causal_lm_loss, convert_state_dict, from_hf
 __all__ = [
   "Comparison", "POLICIES", "JAX_IMPLS", "TORCH_IMPLS", "GPU_IMPLS", "supports",
   "layer_comparisons", "MODEL_ARCHS", "MODEL_POLICIES", "MODEL_RTOL", "model_comparisons",
-  "TRAINING_STEPS", "TRAINING_RTOL", "ADAMW", "training_comparisons", "jax_train_step",
+  "TRAINING_STEPS", "TRAINING_RTOL", "ADAMW", "TRAINING_DATA_FILE", "tokenize_training_text",
+  "export_training_data", "read_training_data", "training_comparisons", "jax_train_step",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -615,14 +617,21 @@ TRAINING_RTOL = 1e-5
 TRAINING_TASKS = {"bert": "rotten_tomatoes", "llama": "piqa"}
 
 
-@functools.cache
-def _training_data(arch: str) -> tuple[int, tuple[dict[str, np.ndarray], ...]]:
-  """``(vocab_size, batches)``: ``TRAINING_STEPS`` batches of real text in a fixed order.
+# The training batches, tokenized once from the bundled text (:func:`export_training_data`): the
+# GPU machine has neither `datasets` nor the data packages, and the file is what makes the
+# training level run there. test_training_parity checks it against the bundled text.
+TRAINING_DATA_FILE = pathlib.Path(__file__).resolve().parent / "data" / "training_batches.npz"
+
+
+def tokenize_training_text(arch: str) -> dict[str, np.ndarray]:
+  """``input_ids``, ``attention_mask``, ``labels`` ``(TRAINING_STEPS * TRAINING_BATCH,
+  TRAINING_LENGTH)`` (``labels`` ``(rows,)`` for BERT) and ``vocab_size``, from the bundled text.
 
   Tokenized by the bundled MiniLM WordPiece tokenizer (it loads in a second; SmolLM2's GGUF
   tokenizer takes ten), padded to ``TRAINING_LENGTH``, and the token ids renumbered to the ones
   that occur (padding stays 0): a vocabulary of about 2k instead of 30k keeps the embedding, the
-  LM head and the optimizer small on CPU without changing the text.
+  LM head and the optimizer small on CPU without changing the text. Needs ``datasets`` and the
+  data packages (``make install``).
   """
   from sebp_jax import data
 
@@ -637,12 +646,33 @@ def _training_data(arch: str) -> tuple[int, tuple[dict[str, np.ndarray], ...]]:
     labels = np.where(tokens["attention_mask"] == 1, ids, tokens["labels"])
   else:
     labels = np.asarray(tokens["label"])
-  batches = tuple(
-    dict(input_ids=ids[i:i + TRAINING_BATCH],
-         attention_mask=tokens["attention_mask"][i:i + TRAINING_BATCH].astype(np.int32),
-         labels=labels[i:i + TRAINING_BATCH].astype(np.int32))
-    for i in range(0, rows, TRAINING_BATCH))
-  return len(used), batches
+  return dict(input_ids=ids, attention_mask=tokens["attention_mask"].astype(np.int32),
+              labels=labels.astype(np.int32), vocab_size=np.int32(len(used)))
+
+
+def export_training_data(path: pathlib.Path = TRAINING_DATA_FILE) -> None:
+  """Writes :data:`TRAINING_DATA_FILE` (both architectures) from the bundled text."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  np.savez_compressed(path, **{f"{arch}/{key}": value
+                               for arch in TRAINING_TASKS
+                               for key, value in tokenize_training_text(arch).items()})
+
+
+def read_training_data(arch: str, path: pathlib.Path = TRAINING_DATA_FILE) -> dict[str, np.ndarray]:
+  """What :func:`tokenize_training_text` gives for ``arch``, read from ``path``."""
+  with np.load(path) as stored:
+    return {key.split("/", 1)[1]: stored[key] for key in stored.files
+            if key.startswith(f"{arch}/")}
+
+
+@functools.cache
+def _training_data(arch: str) -> tuple[int, tuple[dict[str, np.ndarray], ...]]:
+  """``(vocab_size, batches)``: ``TRAINING_STEPS`` batches of real text in a fixed order."""
+  text = read_training_data(arch)
+  batches = tuple({key: text[key][i:i + TRAINING_BATCH]
+                   for key in ("input_ids", "attention_mask", "labels")}
+                  for i in range(0, TRAINING_STEPS * TRAINING_BATCH, TRAINING_BATCH))
+  return int(text["vocab_size"]), batches
 
 
 def _training_batches(arch: str) -> tuple[dict[str, np.ndarray], ...]:
@@ -785,3 +815,8 @@ def training_comparisons(
            ("jax-SEBP vs jax-dense", jax_sebp, jax_dense),
            ("torch-SEBP vs torch-dense", torch_sebp, torch_dense)]
   return [Comparison(group, "per-step loss", name, a, b, tol) for name, a, b in cases]
+
+
+if __name__ == "__main__":  # python -m parity_tests.comparisons: remake the training data file
+  export_training_data()
+  print(f"wrote {TRAINING_DATA_FILE}")
