@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 
 import flax.linen as nn
 import jax
@@ -190,7 +191,12 @@ def test_tiny_run_writes_every_artifact(tiny_models, tmp_path):
   for fragment in ("held-out accuracy", "backward speedup", "compile count", "intermediate/dense",
                    "loss_curves.png", "row_sparsity.png", "grad_histogram.png"):
     assert fragment in report
-  assert summary["timing"]["sebp"]["backward_ms"] > 0
+  # Reported times, not asserted speeds: on a tiny model the backward (value_and_grad minus
+  # forward, medians) can round to 0 on a loaded machine.
+  for variant in ("sebp", "dense"):
+    timing = summary["timing"][variant]
+    assert timing["forward_ms"] > 0 and math.isfinite(timing["backward_ms"])
+    assert timing["backward_ms"] >= 0
   assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
 
   # Same init, data order and dropout masks; the exact policy changes only summation order.
