@@ -6,7 +6,9 @@ XLA:GPU lowers a bfloat16 scatter-add to emulated atomics, and in a BERT-base tr
 forward and backward (23 ms) — and 83 ms when every token is real (``benchmarks/NOTES.md``,
 "The embedding scatter"). Accumulating in float32, which GPUs add atomically in hardware, and
 casting the summed table gradient once gives the same result up to one rounding (the sum of
-bfloat16 terms in float32 is more accurate than a bfloat16 running sum, not less).
+bfloat16 terms in float32 is more accurate than a bfloat16 running sum, not less). The price is
+a float32 table-sized temporary in the backward: 1.6 GB for LLaMA-3.2-3B's 128256 x 3072 table,
+against 0.8 GB in bfloat16.
 """
 
 from __future__ import annotations
