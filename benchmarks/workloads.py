@@ -272,24 +272,9 @@ def free_linear_backward() -> Iterator[None]:
   backward runs as usual, so a model's step under this context is the fastest any SEBP backend
   could make it: the bound of the ``jax-bound`` variant.
   """
-  import flax.linen as nn
+  from sebp_jax.linen import swap_dot_general
 
-  def interceptor(next_fun, args, kwargs, context):
-    module, method = context.module, context.method_name
-    if (type(module) is nn.Dense and method == "__call__" and module.dot_general is None
-        and module.dot_general_cls is None):
-      object.__setattr__(module, "dot_general", _free_dot_general)
-      try:
-        return next_fun(*args, **kwargs)
-      finally:
-        object.__setattr__(module, "dot_general", None)
-    if isinstance(module, nn.Embed) and method == "attend":
-      (query,) = args
-      query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
-      return _free_dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(interceptor):
+  with swap_dot_general(_free_dot_general):
     yield
 
 

@@ -15,7 +15,7 @@ import jax
 from sebp_jax.matmul import SEBPDotGeneral
 from sebp_jax.policy import RowPolicy
 
-__all__ = ["SEBPDense", "swap_dense"]
+__all__ = ["SEBPDense", "swap_dense", "swap_dot_general"]
 
 ModulePath = tuple[str, ...]
 
@@ -96,7 +96,23 @@ def swap_dense(
   >>> with swap_dense(where=lambda path: path[-1] == "layers_2"):
   ...   grads = jax.grad(lambda p: model.apply(p, x).sum())(params)
   """
-  dot_general = SEBPDotGeneral(policy, impl, crossover)
+  with swap_dot_general(SEBPDotGeneral(policy, impl, crossover), where=where):
+    yield
+
+
+@contextlib.contextmanager
+def swap_dot_general(
+  dot_general: Callable[..., jax.Array],
+  *,
+  where: Callable[[ModulePath], bool] | None = None,
+) -> Iterator[None]:
+  """Run every ``nn.Dense`` and ``nn.Embed.attend`` traced inside the block through
+  ``dot_general`` (a ``lax.dot_general`` replacement): the mechanism of :func:`swap_dense`.
+
+  The same rules as :func:`swap_dense`: a Dense with its own ``dot_general`` (or a subclass of
+  Dense, such as :class:`SEBPDense`) keeps it; ``where`` selects layers by module path, the tied
+  output projection's path ending in ``"attend"``.
+  """
 
   def selected(path: ModulePath) -> bool:
     return where is None or where(path)
@@ -123,8 +139,8 @@ def swap_dense(
     yield
 
 
-
-def _embed_attend(module: nn.Embed, query: jax.Array, *, dot_general: SEBPDotGeneral) -> jax.Array:
-  """``nn.Embed.attend`` (``query @ embedding.T``) through the SEBP matmul."""
+def _embed_attend(module: nn.Embed, query: jax.Array, *,
+                  dot_general: Callable[..., jax.Array]) -> jax.Array:
+  """``nn.Embed.attend`` (``query @ embedding.T``) through ``dot_general``."""
   query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
   return dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
