@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
+from sebp_jax.models.inputs import token_inputs
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification"]
 
@@ -237,15 +238,10 @@ class BertModel(_BertModule):
       ``last_hidden_state`` ``(B, T, hidden_size)``, and with ``output_pooled`` the pooled
       ``(B, hidden_size)`` as a second element.
     """
-    input_ids = jnp.asarray(input_ids)
-    if input_ids.ndim != 2:
-      raise ValueError(f"`input_ids` must be (batch, length), got shape {input_ids.shape}.")
-    if attention_mask is not None:
-      attention_mask = jnp.asarray(attention_mask)
+    input_ids, attention_mask, position_ids = token_inputs(input_ids, attention_mask,
+                                                          position_ids)
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
-    if position_ids is None:
-      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
     kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
     x = BertEmbeddings(**kw, name="embeddings")(
       input_ids, token_type_ids, position_ids, deterministic)

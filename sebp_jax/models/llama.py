@@ -24,6 +24,7 @@ import numpy as np
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
+from sebp_jax.models.inputs import token_inputs
 
 __all__ = ["RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
            "rope_inverse_frequencies", "IGNORE_INDEX"]
@@ -254,13 +255,8 @@ class LlamaModel(_LlamaModule):
 
   def __call__(self, input_ids, attention_mask=None, position_ids=None, *,
                deterministic: bool = True, right_padded: bool = False):
-    input_ids = jnp.asarray(input_ids)
-    if input_ids.ndim != 2:
-      raise ValueError(f"`input_ids` must be (batch, length), got shape {input_ids.shape}.")
-    if attention_mask is not None:
-      attention_mask = jnp.asarray(attention_mask)
-    if position_ids is None:
-      position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+    input_ids, attention_mask, position_ids = token_inputs(input_ids, attention_mask,
+                                                          position_ids)
     freqs = position_ids.astype(jnp.float32)[..., None] * rope_inverse_frequencies(self.config)
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
