@@ -359,3 +359,12 @@ def test_cudnn_attention_matches_xla(arch):
   cudnn_err, xla_err = rel_rms(model_cls(config)), rel_rms(model_cls(xla_config))
   assert xla_err < 0.1, (cudnn_err, xla_err)
   assert cudnn_err <= 1.5 * xla_err + 1e-3, (cudnn_err, xla_err)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_input_ids_must_be_batch_by_length(arch):
+  hf = (transformers.BertModel(hf_bert_config()) if arch == "bert"
+        else transformers.LlamaForCausalLM(hf_llama_config()))
+  module, params = from_hf(hf)
+  with pytest.raises(ValueError, match="`input_ids`"):
+    module.apply(params, jnp.ones((7,), jnp.int32))
