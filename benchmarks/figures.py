@@ -13,6 +13,7 @@ matplotlib was missing: ``python -m benchmarks.figures benchmarks/results/bert.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -41,6 +42,32 @@ def _variants(rows: Sequence[dict]) -> list[str]:
   return [v.name for v in VARIANTS if v.name in present]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Table:
+  """A model benchmark's rows, arranged for plotting."""
+
+  cases: list[tuple[str, int]]  # (workload, batch), in the rows' order
+  variants: list[str]  # in VARIANTS order
+  several_batches: bool
+  rows: dict[tuple[str, int, str], dict]  # (workload, batch, variant) -> row
+
+  @classmethod
+  def of(cls, result: dict) -> "_Table":
+    rows = result["rows"]
+    return cls(_cases(rows), _variants(rows), len(result["batch_sizes"]) > 1,
+               {(r["workload"], r["batch"], r["variant"]): r for r in rows})
+
+  def value(self, case: tuple[str, int], variant: str, key: str):
+    """The row's ``key``, or ``None`` where the row or the value is missing."""
+    return (self.rows.get((*case, variant)) or {}).get(key)
+
+
+def _save(fig, path: pathlib.Path) -> None:
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def _label(case: tuple[str, int], several_batches: bool) -> str:
   return f"{case[0]} b{case[1]}" if several_batches else case[0]
 
@@ -57,10 +84,10 @@ def _grouped_bars(ax, cases, variants, value, several_batches: bool) -> None:
 
 
 def _speedup_figure(result: dict, path: pathlib.Path) -> None:
-  rows = result["rows"]
-  cases, variants = _cases(rows), [v for v in _variants(rows) if v != BASELINE]
-  several = len(result["batch_sizes"]) > 1
-  ratios = speedups(rows)
+  table = _Table.of(result)
+  cases, several = table.cases, table.several_batches
+  variants = [v for v in table.variants if v != BASELINE]
+  ratios = speedups(result["rows"])
   fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases) + 3), 8), sharex=True)
   for ax, index, title in ((axes[0], 0, "backward"), (axes[1], 1, "train step")):
     _grouped_bars(ax, cases, variants,
@@ -71,55 +98,44 @@ def _speedup_figure(result: dict, path: pathlib.Path) -> None:
     axes[0].legend(ncol=3, fontsize=8)
   axes[0].set_title(f"{result['benchmark']}: {result['gpu']}, {result['dtype']}, "
                     f"context {result['seq_len']}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def _breakdown_figure(result: dict, path: pathlib.Path) -> None:
-  rows = result["rows"]
-  cases, variants = _cases(rows), _variants(rows)
-  several = len(result["batch_sizes"]) > 1
-  by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
+  table = _Table.of(result)
+  cases, variants = table.cases, table.variants
   cols = min(4, len(cases))
   grid_rows = math.ceil(len(cases) / cols)
   fig, axes = plt.subplots(grid_rows, cols, figsize=(4 * cols, 3.6 * grid_rows), squeeze=False)
   for ax, case in zip(axes.flat, cases):
     bottom = np.zeros(len(variants))
     for key, part in _PARTS:
-      heights = np.array([(by_key.get((*case, v)) or {}).get(key) or 0.0 for v in variants])
+      heights = np.array([table.value(case, v, key) or 0.0 for v in variants])
       ax.bar(np.arange(len(variants)), heights, bottom=bottom, label=part)
       bottom += heights
     ax.set_xticks(np.arange(len(variants)), variants, rotation=60, ha="right", fontsize=7)
-    ax.set_title(_label(case, several), fontsize=9)
+    ax.set_title(_label(case, table.several_batches), fontsize=9)
     ax.set_ylabel("ms")
   for ax in list(axes.flat)[len(cases):]:
     ax.axis("off")
   axes.flat[0].legend(fontsize=7)
   fig.suptitle(f"{result['benchmark']}: time per training step ({result['gpu']})")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def _memory_figure(result: dict, path: pathlib.Path) -> None:
-  rows = result["rows"]
-  cases, variants = _cases(rows), _variants(rows)
-  several = len(result["batch_sizes"]) > 1
-  by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
+  table = _Table.of(result)
 
   def gigabytes(case, variant):
-    peak = (by_key.get((*case, variant)) or {}).get("peak_mem_bytes")
+    peak = table.value(case, variant, "peak_mem_bytes")
     return None if peak is None else peak / 1e9
 
-  fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) + 3), 4.5))
-  _grouped_bars(ax, cases, variants, gigabytes, several)
+  fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(table.cases) + 3), 4.5))
+  _grouped_bars(ax, table.cases, table.variants, gigabytes, table.several_batches)
   ax.set_ylabel("peak device memory (GB)")
   ax.set_title(f"{result['benchmark']}: peak memory of a training step ({result['gpu']})")
   ax.legend(ncol=3, fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def _layer_speedup_figure(result: dict, path: pathlib.Path) -> None:
@@ -146,9 +162,7 @@ def _layer_speedup_figure(result: dict, path: pathlib.Path) -> None:
     ax.axis("off")
   axes.flat[0].legend()
   fig.suptitle(f"SEBP backward of one layer, {result['dtype']}, {result.get('gpu') or result['device']}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def render(result: dict, out_dir: pathlib.Path, stem: str) -> list[pathlib.Path]:
