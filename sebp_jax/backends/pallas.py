@@ -73,11 +73,19 @@ _MIN_BLOCK = 16
 _MAX_DW_SPLIT = 4
 
 
-def _gpu_generation() -> str:
+def _default_device():
+  """The default backend's first device, or ``None`` where it has none."""
   try:
-    kind = jax.devices()[0].device_kind.lower()
-  except RuntimeError:  # no devices of the default backend
+    return jax.devices()[0]
+  except RuntimeError:
+    return None
+
+
+def _gpu_generation() -> str:
+  device = _default_device()
+  if device is None:
     return "unknown"
+  kind = device.device_kind.lower()
   for marker, generation in (("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"),
                              ("gh200", "hopper"), ("a100", "ampere"), ("a10", "ampere")):
     if marker in kind:
@@ -87,11 +95,10 @@ def _gpu_generation() -> str:
 
 def _sm_count() -> int | None:
   """Streaming multiprocessors of the default device, or ``None`` off GPU."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
+  device = _default_device()
+  if device is None or device.platform != "gpu":
     return None
-  return getattr(device, "core_count", None) if device.platform == "gpu" else None
+  return getattr(device, "core_count", None)
 
 
 def _fit(block: int, dim: int) -> int:
