@@ -59,7 +59,8 @@ class Embed(nn.Embed):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """``(...)`` integer ids → ``(..., features)``."""
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError(f"`inputs` to {type(self).__name__} must be integer ids, got {inputs.dtype}.")
+      raise ValueError(
+        f"`inputs` to {type(self).__name__} must be integer ids, got {inputs.dtype}.")
     (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
     if self.num_embeddings == 1:
       return jnp.broadcast_to(embedding, inputs.shape + (self.features,))
