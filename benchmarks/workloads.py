@@ -30,10 +30,12 @@ Measurement
   share a GPU process); ``--in-process`` runs them in one, for CPU smoke runs. Times are medians over ``steps`` distinct batches after warm-up.
 
   * JAX: three jitted programs, timed by wall clock around ``block_until_ready`` (a step lasts
-    milliseconds, its dispatch microseconds): ``fwd`` (the loss), ``step`` (loss, gradients and
-    the AdamW update, parameters and optimizer state donated) and ``opt`` (the AdamW update alone).
-    ``bwd_ms = step_ms - fwd_ms - opt_ms``: one program fewer to compile than timing
-    forward+backward on its own, which matters at 3B parameters.
+    milliseconds, its dispatch microseconds): ``fwd`` (the loss), ``grad`` (loss and gradients)
+    and ``step`` (loss, gradients and the AdamW update, parameters and optimizer state donated).
+    ``bwd_ms = grad - fwd`` and ``opt_ms = step - grad``, each program timed on the same batches.
+    (Timing the AdamW update as a program of its own, as an earlier version did, is not the same:
+    on BERT-base that program's time varied from 3.8 to 6.4 ms between processes, and the
+    subtraction put all of it into the backward.)
   * torch: CUDA events around the forward, ``backward()`` and ``optimizer.step()`` of one eager
     training step (``perf_counter`` on CPU).
   * ``peak_mem_bytes``: JAX ``memory_stats()['peak_bytes_in_use']`` after the batch size's
@@ -431,7 +433,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   params = _random_params(module, spec)
   optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
-  traces = {"fwd": 0, "step": 0}
+  traces = {"fwd": 0, "grad": 0, "step": 0}
 
   def loss(params, batch, program):
     traces[program] += 1  # runs once per trace: the compile counter
@@ -446,19 +448,10 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     value, grads = jax.value_and_grad(loss)(params, batch, "step")
     return (*update(params, opt_state, grads), value)
 
-  # The AdamW update alone, on zero gradients. Its peak (state and one gradient tree) is below a
-  # training step's (the same plus activations), so it does not show in the peaks below.
-  update_fn = jax.jit(update, donate_argnums=(0, 1))
-  grads = jax.jit(lambda p: jax.tree_util.tree_map(jax.numpy.zeros_like, p))(params)
-  times = []
-  for _ in range(1 + settings.warmup + settings.steps):  # the first call compiles
-    start = time.perf_counter()
-    params, opt_state = jax.block_until_ready(update_fn(params, opt_state, grads))
-    times.append((time.perf_counter() - start) * 1e3)
-  opt_ms = _median(times[1 + settings.warmup:])
-  del grads
-
   fwd_fn = jax.jit(lambda params, batch: loss(params, batch, "fwd"))
+  # Gradients without the update: its peak (parameters, state, activations, one gradient tree)
+  # is the training step's.
+  grad_fn = jax.jit(jax.value_and_grad(lambda params, batch: loss(params, batch, "grad")))
   step_fn = jax.jit(step, donate_argnums=(0, 1))
   dynamic = variant.impl == "dynamic"
   for batch_size in sorted(spec.batch_sizes):
@@ -479,7 +472,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
         row.compile_s = 0.0
         for b in firsts.values():
           before, start = traces["step"], time.perf_counter()
-          jax.block_until_ready(fwd_fn(params, b))
+          jax.block_until_ready((fwd_fn(params, b), grad_fn(params, b)))
           params, opt_state, _ = jax.block_until_ready(step_fn(params, opt_state, b))
           if traces["step"] > before:
             row.compile_count += traces["step"] - before
@@ -489,6 +482,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
           params, opt_state, _ = step_fn(params, opt_state, b)
         timed = device_batches[settings.warmup:]
         row.fwd_ms = _median([_wall_ms(lambda: fwd_fn(params, b)) for b in timed])
+        grad_ms = _median([_wall_ms(lambda: grad_fn(params, b)) for b in timed])
         step_times = []
         for b in timed:
           start = time.perf_counter()
@@ -496,7 +490,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
           jax.block_until_ready(value)
           step_times.append((time.perf_counter() - start) * 1e3)
         row.step_ms = _median(step_times)
-        row.opt_ms, row.bwd_ms = opt_ms, row.step_ms - row.fwd_ms - opt_ms
+        row.bwd_ms, row.opt_ms = grad_ms - row.fwd_ms, row.step_ms - grad_ms
       except Exception as e:  # recorded; the next workload runs (if the state survived)
         row.error = _error_text(e)
       yield row

@@ -214,7 +214,9 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
     for field, kind in ROW_FIELDS.items():
       assert isinstance(row[field], kind), (field, row)
     assert 0.0 < row["active_fraction"] <= 1.0
-    assert row["fwd_ms"] > 0 and row["step_ms"] > 0 and row["opt_ms"] > 0
+    assert row["fwd_ms"] > 0 and row["step_ms"] > 0
+    # Differences of medians: finite, but on a tiny model a noisy CPU can make one negative.
+    assert math.isfinite(row["bwd_ms"]) and math.isfinite(row["opt_ms"])
     assert math.isclose(row["fwd_ms"] + row["bwd_ms"] + row["opt_ms"], row["step_ms"],
                         rel_tol=1e-6) or row["framework"] == "torch"
     if row["framework"] == "jax" and row["impl"] != "dynamic":
