@@ -202,12 +202,15 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, its ``impl``, and for
-  the SEBP variants the ``crossover`` passed to :func:`sebp_jax.swap_dense`."""
+  the SEBP variants the ``crossover`` passed to :func:`sebp_jax.swap_dense`. ``per_batch``: the
+  crossover decided once per step from the batch's real-token fraction
+  (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer."""
 
   name: str
   framework: str
   impl: str
   crossover: float | None = None
+  per_batch: bool = False
 
 
 # In the order they run: the most telling first, in case the time budget cuts a run short.
@@ -221,6 +224,8 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.
   Variant("jax-sebp-pallas-nocond", "jax", "pallas", crossover=1.0),
+  # One conditional per step instead of one per layer.
+  Variant("jax-sebp-pallas-per-batch", "jax", "pallas", per_batch=True),
 )
 BASELINE = "jax-dense"
 
@@ -284,11 +289,24 @@ def _jax_context(variant: Variant) -> contextlib.AbstractContextManager:
   """The context the loss is traced in: which backward every linear layer gets."""
   from sebp_jax import RowPolicy, swap_dense
 
-  if variant.impl in ("pallas", "xla"):
+  if variant.impl in ("pallas", "xla") and not variant.per_batch:
     return swap_dense(RowPolicy(), impl=variant.impl, crossover=variant.crossover)
   if variant.impl == "bound":
     return free_linear_backward()
   return contextlib.nullcontext()
+
+
+def _jax_value_and_grad(variant: Variant, fun: Callable[[Any, Batch], Any]) -> Callable:
+  """``jax.value_and_grad(fun)`` for ``fun(params, batch)``; for a ``per_batch`` variant, its SEBP
+  form that decides the crossover once per step from the batch's real-token fraction."""
+  import jax
+
+  if not variant.per_batch:
+    return jax.value_and_grad(fun)
+  from sebp_jax import sebp_value_and_grad
+
+  return sebp_value_and_grad(fun, lambda params, batch: jax.numpy.mean(batch["attention_mask"]),
+                             impl=variant.impl, crossover=variant.crossover)
 
 
 # ----------------------------------------------------------------------------- model specs
@@ -444,14 +462,18 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
+  def value_and_grad(program):
+    """``(params, batch) -> (loss, grads)``, traced as ``program``."""
+    return _jax_value_and_grad(variant, lambda params, batch: loss(params, batch, program))
+
   def step(params, opt_state, batch):
-    value, grads = jax.value_and_grad(loss)(params, batch, "step")
+    value, grads = value_and_grad("step")(params, batch)
     return (*update(params, opt_state, grads), value)
 
   fwd_fn = jax.jit(lambda params, batch: loss(params, batch, "fwd"))
   # Gradients without the update: its peak (parameters, state, activations, one gradient tree)
   # is the training step's.
-  grad_fn = jax.jit(jax.value_and_grad(lambda params, batch: loss(params, batch, "grad")))
+  grad_fn = jax.jit(value_and_grad("grad"))
   step_fn = jax.jit(step, donate_argnums=(0, 1))
   dynamic = variant.impl == "dynamic"
   for batch_size in sorted(spec.batch_sizes):

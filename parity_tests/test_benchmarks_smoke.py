@@ -174,21 +174,31 @@ def test_free_linear_backward_reaches_the_models_tied_head():
   np.testing.assert_array_equal(head_grad(True), 0.0)
 
 
-@pytest.mark.parametrize("name,conds", [("jax-sebp-pallas", 1), ("jax-sebp-pallas-nocond", 0)])
-def test_sebp_variants_pass_their_crossover(name, conds):
+@pytest.mark.parametrize("name,conds,kernels", [
+  # Kernels: partition, dX and dW in the second layer; partition and dW in the first, whose
+  # input (the batch) needs no gradient.
+  ("jax-sebp-pallas", 2, 5),            # one conditional in each layer
+  ("jax-sebp-pallas-nocond", 0, 5),     # crossover=1.0: none
+  ("jax-sebp-pallas-per-batch", 1, 5),  # one for the step, none in the layers
+  ("jax-dense", 0, 0),
+])
+def test_variants_build_their_value_and_grad(name, conds, kernels):
   from parity_tests.jaxprs import count_primitive
 
   variant = {v.name: v for v in workloads.VARIANTS}[name]
   x = jnp.ones((2, 16, 8))
-  dense = nn.Dense(16)
-  params = dense.init(jax.random.key(0), x)
+  block = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
+  params = block.init(jax.random.key(0), x)
+  batch = {"x": x, "attention_mask": jnp.ones((2, 16), jnp.int32).at[:, 5:].set(0)}
 
-  def loss(params):
+  def loss(params, batch):  # as run_jax's: the model traced in the variant's context
     with workloads._jax_context(variant):
-      return jnp.sum(dense.apply(params, x) ** 2)
+      return jnp.sum(block.apply(params, batch["x"]) ** 2)
 
   # Traced, not run: the Pallas kernels need a GPU, the jaxpr does not.
-  assert count_primitive(jax.make_jaxpr(jax.grad(loss))(params), "cond") == conds
+  jaxpr = jax.make_jaxpr(workloads._jax_value_and_grad(variant, loss))(params, batch)
+  assert count_primitive(jaxpr, "cond") == conds
+  assert count_primitive(jaxpr, "pallas_call") == kernels
 
 
 def _run(script: str, out_dir: Path, *args: str) -> dict:

@@ -15,7 +15,7 @@ from parity_tests.ids import kwargs_id
 from parity_tests.impls import impl_params, implements
 from parity_tests.jaxprs import count_primitive, dot_output_shapes
 from parity_tests.tolerances import assert_close
-from sebp_jax import RowPolicy, SEBPDense, swap_dense
+from sebp_jax import RowPolicy, SEBPDense, sebp_value_and_grad, swap_dense
 from sebp_jax.matmul import SEBPDotGeneral
 
 IMPLS = impl_params()
@@ -419,3 +419,88 @@ def test_bad_crossover_is_named_when_the_layer_is_built():
   with pytest.raises(ValueError, match="`crossover`"):
     with swap_dense(crossover=-1.0):
       pass
+
+
+# --- sebp_value_and_grad: one crossover per call ------------------------------------------------
+
+def _real_fraction(params, x, mask, labels):
+  return jnp.mean(mask)
+
+
+def _loss_and_branch(params, x, mask, labels):
+  """``_loss``, and as aux 1.0 where every Dense ran with SEBP (0.0 where none did): the branch
+  the crossover took, read back at run time."""
+  swapped = []
+
+  def spy(next_fun, args, kwargs, context):  # inside the swap: sees each Dense after it
+    if isinstance(context.module, nn.Dense) and context.method_name == "__call__":
+      swapped.append(isinstance(context.module.dot_general, SEBPDotGeneral))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(spy):
+    loss = _loss(params, x, mask, labels)
+  assert len(swapped) == len(LAYERS) and len(set(swapped)) == 1
+  return loss, jnp.float32(swapped[0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("branch", ["sparse", "dense"])
+def test_sebp_value_and_grad_equals_dense_on_padded_block(impl, branch):
+  # Either branch computes the dense gradients (exact policy); the crossover picks one per call.
+  params = _block_params()
+  x, mask, labels = _padded_batch(2)
+  real = float(jnp.mean(mask))
+  crossover = min(real + 0.05, 0.99) if branch == "sparse" else real / 2
+  (loss, _), grads = jax.jit(jax.value_and_grad(_loss_and_branch, has_aux=True))(
+    params, x, mask, labels)
+  fn = sebp_value_and_grad(_loss_and_branch, _real_fraction, crossover=crossover, impl=impl,
+                           has_aux=True)
+  (got_loss, ran_sparse), got_grads = jax.jit(fn)(params, x, mask, labels)
+  assert float(ran_sparse) == (1.0 if branch == "sparse" else 0.0)
+  _assert_trees_close((got_loss, got_grads), (loss, grads), f"{branch} branch")
+
+
+@pytest.mark.parametrize("crossover,conds", [(0.5, 1), (1.0, 0)])
+def test_sebp_value_and_grad_compiles_one_conditional_per_call(crossover, conds):
+  # The per-layer conditionals are compiled out; the sparse branch still runs every layer's
+  # SEBP rule (one custom_vjp each), the dense branch none.
+  params = _block_params()
+  args = (params, *_padded_batch(3))
+  fn = sebp_value_and_grad(lambda *a: _loss(*a), _real_fraction, crossover=crossover,
+                           impl="interpret")
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  assert count_primitive(jaxpr, "cond") == conds
+  # Pallas kernels in the backward of every layer: the partition plus the dX and dW kernels
+  # (the head's dX too: its input is the block's output, which carries a gradient).
+  assert count_primitive(jaxpr, "pallas_call") == 3 * len(LAYERS)
+  per_layer = sebp_value_and_grad(lambda *a: _loss(*a), _real_fraction, crossover=1.0,
+                                  impl="interpret")
+  with swap_dense(impl="interpret"):  # the per-layer way: one conditional in every layer
+    assert count_primitive(jax.make_jaxpr(jax.value_and_grad(lambda *a: _loss(*a)))(*args),
+                           "cond") == len(LAYERS)
+  assert count_primitive(jax.make_jaxpr(per_layer)(*args), "cond") == 0
+
+
+def test_sebp_value_and_grad_passes_argnums_and_aux():
+  params = _block_params()
+  x, mask, labels = _padded_batch(4)
+  with_aux = lambda p, x, m, l: (_loss(p, x, m, l), jnp.sum(jnp.where(m[..., None], x, 0.0)))
+  expected = jax.value_and_grad(with_aux, argnums=(0, 1), has_aux=True)(params, x, mask, labels)
+  got = sebp_value_and_grad(with_aux, _real_fraction, crossover=0.99, impl="xla",
+                            argnums=(0, 1), has_aux=True)(params, x, mask, labels)
+  _assert_trees_close(got, expected, "value, aux and grads")
+
+
+def test_sebp_value_and_grad_names_bad_arguments():
+  loss = lambda *a: _loss(*a)
+  with pytest.raises(TypeError, match="`fun`"):
+    sebp_value_and_grad(None, _real_fraction)
+  with pytest.raises(TypeError, match="`active_fraction`"):
+    sebp_value_and_grad(loss, 0.3)
+  for bad in (0.0, -1.0, float("nan"), "0.4", True):
+    with pytest.raises(ValueError, match="`crossover`"):
+      sebp_value_and_grad(loss, _real_fraction, crossover=bad)
+  per_row = sebp_value_and_grad(loss, lambda p, x, m, l: jnp.mean(m, axis=1))
+  with pytest.raises(ValueError, match="`active_fraction` must return a real scalar"):
+    jax.jit(per_row)(_block_params(), *_padded_batch(5))  # at trace time
+

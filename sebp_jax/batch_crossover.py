@@ -1,0 +1,105 @@
+"""``sebp_value_and_grad``: the dense-or-sparse decision made once per call, not once per layer.
+
+Every SEBP layer decides on its own whether its kept rows are few enough for the sparse backward
+(``crossover``), with one ``lax.cond`` per layer. On GPU each of those makes XLA copy the predicate
+to the host and wait for it: measured on an H200, 2.2–2.9 ms of a 22–24 ms BERT-base training
+step (74 layers; ``benchmarks/NOTES.md``, "The backward decomposition"). With padding sparsity
+the fraction of real tokens is known from the batch before the forward, and every layer would
+decide the same way: :func:`sebp_value_and_grad` decides once, from the batch, and compiles the
+per-layer conditionals out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sebp_jax.linen import ModulePath, swap_dense
+from sebp_jax.matmul import _check_crossover
+from sebp_jax.policy import RowPolicy
+
+__all__ = ["sebp_value_and_grad"]
+
+
+def _measured_crossover() -> float:
+  """The Pallas backward's default crossover (measured: ``benchmarks/NOTES.md``)."""
+  from sebp_jax.backends.pallas import BlockConfig  # lazily, as sebp_matmul imports Pallas
+
+  return BlockConfig().crossover
+
+
+def sebp_value_and_grad(
+  fun: Callable[..., Any],
+  active_fraction: Callable[..., jax.Array],
+  *,
+  crossover: float | None = None,
+  where: Callable[[ModulePath], bool] | None = None,
+  impl: str = "auto",
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad(fun)`` with the SEBP backward on ``fun``'s ``nn.Dense`` layers, or the
+  dense backward, chosen once per call from ``active_fraction``.
+
+  The exact policy only (``RowPolicy()``: drop the all-zero gradient rows): there the dense
+  backward computes the same gradients, so the choice changes the speed and never the result.
+  A policy that also drops nonzero rows must decide per layer (:func:`sebp_jax.swap_dense`).
+
+  Args:
+    fun: the function to differentiate, e.g. a loss of ``(params, batch)``. It must trace its
+      Flax model when called (not be a function jitted elsewhere: see :func:`swap_dense`).
+    active_fraction: called with ``fun``'s arguments, returns a scalar: the fraction of rows
+      that carry real tokens, e.g. ``lambda params, batch: batch["attention_mask"].mean()``.
+      Only the speed depends on it.
+    crossover: above this fraction the dense backward runs; at or below it, every selected Dense
+      runs the SEBP backward with no per-layer conditional. ``None``: the Pallas backward's
+      measured default (0.4); ``>= 1``: always SEBP, no conditional at all.
+    where: which Dense layers get SEBP, as in :func:`sebp_jax.swap_dense`.
+    impl: the SEBP backend, as in :func:`sebp_jax.sebp_matmul`.
+    argnums, has_aux: as in :func:`jax.value_and_grad`.
+
+  Returns:
+    A function of ``fun``'s arguments returning what ``jax.value_and_grad(fun, argnums,
+    has_aux)`` returns.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import flax.linen as nn
+  >>> model = nn.Dense(4)
+  >>> x = jnp.zeros((6, 3)).at[:2].set(1.0)              # 2 real rows of 6
+  >>> params = model.init(jax.random.key(0), x)
+  >>> loss = lambda params, x: (model.apply(params, x) * (x[:, :1] != 0)).sum()
+  >>> real = lambda params, x: jnp.mean(x[:, 0] != 0)
+  >>> value, grads = jax.jit(sebp_value_and_grad(loss, real))(params, x)
+  >>> grads["params"]["kernel"].shape
+  (3, 4)
+  """
+  if not callable(fun):
+    raise TypeError(f"sebp_value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
+  if not callable(active_fraction):
+    raise TypeError(f"sebp_value_and_grad: `active_fraction` must be callable (the arguments of "
+                    f"`fun` -> a scalar), got {type(active_fraction).__name__}.")
+  _check_crossover(crossover)
+  if crossover is None:
+    crossover = _measured_crossover()
+  dense = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def sparse(*args, **kwargs):
+    with swap_dense(RowPolicy(), where=where, impl=impl, crossover=1.0):
+      return dense(*args, **kwargs)
+
+  if crossover >= 1.0:
+    return sparse
+
+  def value_and_grad(*args, **kwargs):
+    fraction = jnp.asarray(active_fraction(*args, **kwargs))
+    if fraction.shape != () or not (jnp.issubdtype(fraction.dtype, jnp.floating)
+                                    or jnp.issubdtype(fraction.dtype, jnp.integer)):
+      raise ValueError(f"sebp_value_and_grad: `active_fraction` must return a real scalar, got "
+                       f"shape {fraction.shape} and dtype {fraction.dtype}.")
+    return lax.cond(fraction > crossover, lambda: dense(*args, **kwargs),
+                    lambda: sparse(*args, **kwargs))
+
+  return value_and_grad
