@@ -500,6 +500,8 @@ def test_sebp_value_and_grad_names_bad_arguments():
   for bad in (0.0, -1.0, float("nan"), "0.4", True):
     with pytest.raises(ValueError, match="`crossover`"):
       sebp_value_and_grad(loss, _real_fraction, crossover=bad)
+  with pytest.raises(ValueError, match="`impl`"):
+    sebp_value_and_grad(loss, _real_fraction, impl="triton")
   per_row = sebp_value_and_grad(loss, lambda p, x, m, l: jnp.mean(m, axis=1))
   with pytest.raises(ValueError, match="`active_fraction` must return a real scalar"):
     jax.jit(per_row)(_block_params(), *_padded_batch(5))  # at trace time

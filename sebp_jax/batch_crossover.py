@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sebp_jax.linen import ModulePath, swap_dense
-from sebp_jax.matmul import _check_crossover
+from sebp_jax.matmul import _check_crossover, resolve_impl
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["sebp_value_and_grad"]
@@ -82,6 +82,7 @@ def sebp_value_and_grad(
     raise TypeError(f"sebp_value_and_grad: `active_fraction` must be callable (the arguments of "
                     f"`fun` -> a scalar), got {type(active_fraction).__name__}.")
   _check_crossover(crossover)
+  resolve_impl(impl)  # an unknown impl is named now, not when the first call traces
   if crossover is None:
     crossover = _measured_crossover()
   dense = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
