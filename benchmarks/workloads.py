@@ -451,10 +451,9 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   params = _random_params(module, spec)
   optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
-  traces = {"fwd": 0, "grad": 0, "step": 0}
+  traces = {"step": 0}
 
-  def loss(params, batch, program):
-    traces[program] += 1  # runs once per trace: the compile counter
+  def loss(params, batch):
     with _jax_context(variant):
       return spec.jax_loss(module, params, batch)
 
@@ -462,18 +461,19 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def value_and_grad(program):
-    """``(params, batch) -> (loss, grads)``, traced as ``program``."""
-    return _jax_value_and_grad(variant, lambda params, batch: loss(params, batch, program))
+  value_and_grad = _jax_value_and_grad(variant, loss)
 
   def step(params, opt_state, batch):
-    value, grads = value_and_grad("step")(params, batch)
+    # Runs once per trace, i.e. per compilation (the loss inside may be traced more often: once
+    # per branch of the per-batch variant).
+    traces["step"] += 1
+    value, grads = value_and_grad(params, batch)
     return (*update(params, opt_state, grads), value)
 
-  fwd_fn = jax.jit(lambda params, batch: loss(params, batch, "fwd"))
+  fwd_fn = jax.jit(loss)
   # Gradients without the update: its peak (parameters, state, activations, one gradient tree)
   # is the training step's.
-  grad_fn = jax.jit(value_and_grad("grad"))
+  grad_fn = jax.jit(value_and_grad)
   step_fn = jax.jit(step, donate_argnums=(0, 1))
   dynamic = variant.impl == "dynamic"
   for batch_size in sorted(spec.batch_sizes):
