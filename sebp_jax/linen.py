@@ -76,9 +76,10 @@ def swap_dense(
   The model is not modified: the swap applies to calls *traced* while the context is open. Enter
   it inside the function you ``jit`` (or jit inside it): a function jitted and traced outside the
   context reuses its cached dense program when called inside, since jit cannot see the context.
-  Parameters are untouched, so the same params serve the dense and the SEBP model. A Dense with its own ``dot_general`` (quantised matmuls,
-  say) is left as it is. ``nn.Embed.attend``, the output projection of models with tied
-  embeddings (often their largest matmul), is swapped too; its path ends in ``"attend"``.
+  Parameters are untouched, so the same params serve the dense and the SEBP model. A Dense with
+  its own ``dot_general`` (quantised matmuls, say) is left as it is. ``nn.Embed.attend``, the
+  output projection of models with tied embeddings (often their largest matmul), is swapped too;
+  its path ends in ``"attend"``.
 
   Args:
     policy: which output-gradient rows to keep.
