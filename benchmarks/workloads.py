@@ -819,7 +819,9 @@ def markdown_table(result: dict) -> str:
     "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
     "Speedups are jax-dense's time over the variant's. "
-    "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".",
+    "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + "."
+    + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
+       if result.get("merged_from") else ""),
     "",
     "| workload | batch | active % | variant | fwd ms | bwd ms | opt ms | step ms | bwd × "
     "| step × | peak GB | compiles | error |",

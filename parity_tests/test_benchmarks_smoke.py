@@ -250,3 +250,54 @@ def test_llama_tiny_end_to_end_in_subprocesses(tmp_path):
   _check_schema(result, variants, {1, 2})
   full = [r for r in result["rows"] if r["workload"] == "full_length"]
   assert full and all(r["active_fraction"] == 1.0 for r in full)
+
+
+def _result(gpu: str, *rows: tuple[str, int, float]) -> dict:
+  """A result file's dict with rows ``(variant, batch, step_ms)`` of workload ``piqa``."""
+  return {
+    "benchmark": "llama", "gpu": gpu, "platform": "gpu", "dtype": "bfloat16", "seq_len": 64,
+    "batch_sizes": sorted({b for _, b, _ in rows}), "warmup": 1, "steps": 5,
+    "versions": {"jax": "0.0"},
+    "rows": [dict(workload="piqa", dataset="piqa", framework=v.split("-")[0], impl=v, variant=v,
+                  batch=b, seq_len=64, active_fraction=0.25, fwd_ms=1.0, bwd_ms=step - 1.5,
+                  opt_ms=0.5, step_ms=step, peak_mem_bytes=None, compile_count=1,
+                  compile_s=0.0, error=None) for v, b, step in rows],
+  }
+
+
+def test_merge_joins_split_runs_and_keeps_their_provenance(tmp_path):
+  from benchmarks import merge
+
+  jax_run = _result("H200", ("jax-dense", 1, 9.0), ("jax-dense", 4, 30.0))
+  torch_run = _result("H200", ("torch-dense", 1, 18.0), ("torch-dense", 4, 60.0))
+  paths = []
+  for name, result in (("a.json", jax_run), ("b.json", torch_run)):
+    paths.append(tmp_path / name)
+    paths[-1].write_text(json.dumps(result))
+  merge._main(["--stem", "m", "--batches", "1", "--out-dir", str(tmp_path / "out"),
+               *map(str, paths)])
+  merged = json.loads((tmp_path / "out" / "m.json").read_text())
+  assert merged["merged_from"] == ["a.json", "b.json"]
+  assert merged["batch_sizes"] == [1]
+  assert [(r["variant"], r["batch"]) for r in merged["rows"]] == [("jax-dense", 1),
+                                                                  ("torch-dense", 1)]
+  # The speedup of a row of one file is taken against the baseline of the other.
+  ratios = workloads.speedups(merged["rows"])
+  assert ratios[("piqa", 1, "torch-dense")] == (7.5 / 16.5, 9.0 / 18.0)
+  assert "a.json, b.json" in (tmp_path / "out" / "m.md").read_text()
+
+
+@pytest.mark.parametrize("second, message", [
+  (_result("H100", ("torch-dense", 1, 1.0)), "field 'gpu'"),
+  (_result("H200", ("jax-dense", 1, 1.0)), r"\('piqa', 1, 'jax-dense'\) was measured in a"),
+])
+def test_merge_refuses_results_that_do_not_compare(second, message):
+  from benchmarks import merge
+
+  first = _result("H200", ("jax-dense", 1, 2.0))
+  with pytest.raises(ValueError, match=message):
+    merge.merge_results([first, second], ["a", "b"])
+  with pytest.raises(ValueError, match="`results`"):
+    merge.merge_results([first], ["a"])
+  with pytest.raises(ValueError, match="`batches`"):
+    merge.merge_results([first, _result("H200", ("torch-dense", 1, 1.0))], ["a", "b"], [4])
