@@ -76,6 +76,7 @@ __all__ = [
   "LENGTHS_FILE", "TOKENIZERS", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
+  "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -376,7 +377,7 @@ class Settings:
   steps: int
 
 
-def _batches(spec: ModelSpec, workload: Workload, batch: int, settings: Settings,
+def workload_batches(spec: ModelSpec, workload: Workload, batch: int, settings: Settings,
              dynamic: bool) -> tuple[list[Batch], float]:
   """The workload's batches (warm-up ones first) and their active fraction."""
   n = settings.warmup + settings.steps
@@ -400,7 +401,7 @@ def _median(samples: Sequence[float]) -> float:
 
 # ----------------------------------------------------------------------------- JAX runner
 
-def _random_params(module, spec: ModelSpec, seed: int = 0):
+def random_params(module, spec: ModelSpec, seed: int = 0):
   """Random bfloat16 parameters without compiling ``init``: normal(0.02) matrices, unit scales,
   zero biases. Shapes come from ``jax.eval_shape``; speed does not depend on the values."""
   import jax
@@ -434,6 +435,17 @@ def _wall_ms(fn: Callable[[], Any]) -> float:
   return (time.perf_counter() - start) * 1e3
 
 
+def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:
+  """The variant's loss ``(params, batch) -> scalar``, traced in its context (which backward each
+  linear layer gets), and the ``jax.value_and_grad`` form of it that the variant uses."""
+
+  def loss(params, batch):
+    with _jax_context(variant):
+      return spec.jax_loss(module, params, batch)
+
+  return loss, _jax_value_and_grad(variant, loss)
+
+
 def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
   """Runs ``variant`` on every workload and batch size.
 
@@ -448,20 +460,16 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
 
   yield environment()
   module = spec.jax_module()
-  params = _random_params(module, spec)
+  params = random_params(module, spec)
   optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
   traces = {"step": 0}
 
-  def loss(params, batch):
-    with _jax_context(variant):
-      return spec.jax_loss(module, params, batch)
+  loss, value_and_grad = jax_loss_and_grad(spec, variant, module)
 
   def update(params, opt_state, grads):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
-
-  value_and_grad = _jax_value_and_grad(variant, loss)
 
   def step(params, opt_state, batch):
     # Runs once per trace, i.e. per compilation (the loss inside may be traced more often: once
@@ -480,7 +488,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     compiled: set[tuple] = set()  # input shapes the step has been compiled for
     batch_rows = []
     for workload in spec.workloads:
-      batches, active = _batches(spec, workload, batch_size, settings, dynamic)
+      batches, active = workload_batches(spec, workload, batch_size, settings, dynamic)
       if dynamic and active == 1.0:
         continue  # nothing to cut: the dynamic variant is jax-dense there
       row = Row(workload.name, workload.dataset, "jax", variant.impl, variant.name, batch_size,
@@ -575,7 +583,7 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
   clock = _TorchClock(torch, device)
   for batch_size in sorted(spec.batch_sizes):
     for workload in spec.workloads:
-      batches, active = _batches(spec, workload, batch_size, settings, dynamic=False)
+      batches, active = workload_batches(spec, workload, batch_size, settings, dynamic=False)
       row = Row(workload.name, workload.dataset, "torch", impl, variant.name, batch_size,
                 spec.seq_len, active)
       try:
@@ -606,7 +614,7 @@ def _error_text(error: BaseException) -> str:
   return f"{type(error).__name__}: {str(error).strip()[:500]}"
 
 
-def _versions() -> dict[str, str | None]:
+def library_versions() -> dict[str, str | None]:
   """Library versions, read from package metadata (importing them here would grab the GPU)."""
   out = {}
   for name in ("jax", "jaxlib", "flax", "optax", "torch", "triton", "transformers"):
@@ -750,7 +758,7 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   header: dict[str, Any] = {"benchmark": spec.name, "gpu": None, "platform": None,
                             "dtype": "bfloat16", "seq_len": spec.seq_len,
                             "batch_sizes": list(spec.batch_sizes), "warmup": settings.warmup,
-                            "steps": settings.steps, "versions": _versions(), "rows": []}
+                            "steps": settings.steps, "versions": library_versions(), "rows": []}
   # Runs split by batch size (to fit a time limit) write files of their own.
   stem = spec.name + ("_tiny" if args.tiny else "") + "".join(
     f"_b{b}" for b in (args.batches or ())) + (f"_{args.tag}" if args.tag else "")

@@ -1,0 +1,211 @@
+"""Where a model's backward time goes: GPU time per kernel of its loss-and-gradients program.
+
+For one model benchmark (``bert``, ``llama``), one workload and batch size, and several JAX
+variants (:data:`benchmarks.workloads.VARIANTS`), this traces ``--steps`` calls of the jitted
+loss-and-gradients program with ``jax.profiler``, sums every GPU kernel's time per call, and groups
+the kernels into families: the SEBP Pallas kernels, cuBLAS products, cuDNN attention, copies, and
+XLA's own fusions. Beside ``jax-bound`` (every linear backward free), the families of an SEBP
+variant say which kernels take the time that separates it from the bound; the difference between
+``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
+
+Usage (writes ``profile_llama_b1_piqa.json`` and ``.md`` under ``--out-dir``)::
+
+    python -m benchmarks.profile_step --model llama --batch 1 --workload piqa --out-dir $OUT \\
+        --variants jax-dense jax-sebp-pallas jax-bound
+
+Needs a GPU: a CPU trace has no kernel events, and the run stops saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import importlib
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+from typing import Any, Iterable, Sequence
+
+from benchmarks.workloads import (
+  VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, library_versions, random_params,
+  workload_batches,
+)
+
+__all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
+
+# (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
+# `pallas_call` names (sebp_jax.backends.pallas); cuBLAS's Hopper kernels are "nvjet_*" or
+# "sm90_xmma_*"; cuDNN's fused attention kernels name cudnn or flash attention.
+_FAMILIES = (
+  ("SEBP dX", ("sebp_dx",)),
+  ("SEBP dW", ("sebp_dw",)),
+  ("SEBP partition", ("sebp_partition",)),
+  ("attention (cuDNN)", ("cudnn", "flash", "fmha")),
+  ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
+  ("copies", ("memcpy", "memset")),
+)
+OTHER = "XLA fusions, other"
+_TOP = 15  # kernels listed by name per variant
+
+
+def kernel_family(name: str) -> str:
+  """The family of a GPU kernel, from its name (see ``_FAMILIES``); :data:`OTHER` if none."""
+  lowered = name.lower()
+  for family, needles in _FAMILIES:
+    if any(needle in lowered for needle in needles):
+      return family
+  return OTHER
+
+
+def kernel_times(events: Iterable[dict], calls: int) -> dict[str, tuple[float, float]]:
+  """``kernel name -> (ms per call, launches per call)`` from a Chrome/Perfetto trace's events.
+
+  Kept: complete events (``"ph": "X"``) of processes whose name contains ``GPU`` (the device
+  timeline), except on threads that annotate XLA modules or ops, which span the kernels they
+  launch and would count them twice. ``calls``: how many program calls the trace holds.
+  """
+  events = list(events)
+  processes = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    if e.get("ph") != "X" or "GPU" not in processes.get(e.get("pid"), ""):
+      continue
+    if "XLA" in threads.get((e.get("pid"), e.get("tid")), ""):
+      continue
+    totals[e["name"]][0] += e.get("dur", 0.0)
+    totals[e["name"]][1] += 1
+  return {name: (us / 1e3 / calls, n / calls) for name, (us, n) in totals.items()}
+
+
+def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
+  files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+  if not files:
+    raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
+  trace = json.loads(gzip.open(files[-1]).read())
+  return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
+                    batches: Sequence[dict], repeats: int = 3) -> dict:
+  """Wall time and per-kernel GPU time of ``variant``'s loss-and-gradients program.
+
+  ``batches``: device batches; the first compiles and warms up, the rest are timed ``repeats``
+  times each (wall clock, median) and then traced once each. Returns ``{"variant", "wall_ms", "busy_ms",
+  "launches", "families": {family: ms}, "kernels": [[name, family, ms, launches], ...]}``, all per
+  call. Raises ``RuntimeError`` if the trace holds no GPU kernel (no GPU, or a profiler without
+  CUPTI).
+  """
+  import jax
+
+  _, value_and_grad = jax_loss_and_grad(spec, variant, module)
+  grad_fn = jax.jit(value_and_grad)
+  warm, timed = batches[0], batches[1:]
+  jax.block_until_ready(grad_fn(params, warm))
+  walls = []
+  for _ in range(repeats):
+    for batch in timed:
+      start = time.perf_counter()
+      jax.block_until_ready(grad_fn(params, batch))
+      walls.append((time.perf_counter() - start) * 1e3)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for batch in timed:
+        jax.block_until_ready(grad_fn(params, batch))
+    kernels = kernel_times(_trace_events(pathlib.Path(trace_dir)), len(timed))
+  if not kernels:
+    raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
+                       f"(devices here: {jax.devices()})")
+  families: dict[str, float] = collections.defaultdict(float)
+  for name, (ms, _) in kernels.items():
+    families[kernel_family(name)] += ms
+  ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
+  return {
+    "variant": variant.name,
+    "wall_ms": statistics.median(walls),
+    "busy_ms": sum(ms for ms, _ in kernels.values()),
+    "launches": sum(n for _, n in kernels.values()),
+    "families": dict(sorted(families.items(), key=lambda item: -item[1])),
+    "kernels": [[name, kernel_family(name), ms, n] for name, (ms, n) in ranked[:_TOP]],
+  }
+
+
+def markdown_report(result: dict) -> str:
+  """The families of every profiled variant side by side, then each variant's top kernels."""
+  variants = result["variants"]
+  families = list(dict.fromkeys(f for v in variants for f in v["families"]))
+  lines = [
+    f"# Profile of {result['benchmark']}'s loss-and-gradients program: {result['gpu']}, "
+    f"{result['dtype']}, batch {result['batch']} × {result['seq_len']}, {result['workload']} "
+    f"({100 * result['active_fraction']:.1f} % real tokens)",
+    "",
+    "GPU time per call in ms, summed over the kernels of each family, averaged over "
+    f"{result['traced_calls']} traced calls; wall is the median of host-timed calls. Versions: "
+    + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".",
+    "",
+    "| | " + " | ".join(v["variant"] for v in variants) + " |",
+    "|---|" + "---|" * len(variants),
+  ]
+  for family in families:
+    lines.append(f"| {family} | " + " | ".join(
+      f"{v['families'].get(family, 0.0):.2f}" for v in variants) + " |")
+  for key, label, spec in (("busy_ms", "**GPU busy**", ".2f"), ("wall_ms", "**wall**", ".2f"),
+                           ("launches", "kernel launches", ".0f")):
+    lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
+  for v in variants:
+    lines += ["", f"## {v['variant']}: top {len(v['kernels'])} kernels", "",
+              "| kernel | family | ms | launches |", "|---|---|---|---|"]
+    lines += [f"| `{name[:90]}` | {family} | {ms:.3f} | {n:.0f} |"
+              for name, family, ms, n in v["kernels"]]
+  return "\n".join(lines) + "\n"
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+  import jax
+
+  by_name = {v.name: v for v in VARIANTS if v.framework == "jax" and v.impl != "dynamic"}
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
+  parser.add_argument("--model", required=True, choices=["bert", "llama"])
+  parser.add_argument("--batch", type=int, required=True)
+  parser.add_argument("--workload", required=True)
+  parser.add_argument("--variants", nargs="+", choices=sorted(by_name),
+                      default=["jax-dense", "jax-sebp-pallas", "jax-bound"])
+  parser.add_argument("--steps", type=int, default=3, help="traced calls (distinct batches)")
+  parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
+  parser.add_argument("--out-dir", type=pathlib.Path, required=True)
+  args = parser.parse_args(argv)
+  spec = importlib.import_module(f"benchmarks.{args.model}").build(args.tiny)
+  workloads = {w.name: w for w in spec.workloads}
+  if args.workload not in workloads:
+    parser.error(f"--workload: {args.workload!r} is not one of {sorted(workloads)}")
+  if args.steps < 1:
+    parser.error("--steps must be >= 1")
+
+  module = spec.jax_module()
+  params = random_params(module, spec)
+  host_batches, active = workload_batches(spec, workloads[args.workload], args.batch,
+                                          Settings(warmup=1, steps=args.steps), dynamic=False)
+  batches = [jax.device_put(b) for b in host_batches]
+  device = jax.devices()[0]
+  result = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
+            "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
+            "workload": args.workload, "active_fraction": active, "traced_calls": args.steps,
+            "versions": library_versions(), "variants": []}
+  stem = f"profile_{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  for name in args.variants:
+    result["variants"].append(profile_variant(spec, by_name[name], params, module, batches))
+    # After every variant: a run cut short keeps what it profiled.
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{stem}.md").write_text(markdown_report(result))
+    print(f"{name}: wall {result['variants'][-1]['wall_ms']:.2f} ms, busy "
+          f"{result['variants'][-1]['busy_ms']:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+  _main()

@@ -1,0 +1,84 @@
+"""The per-kernel profiler of the model benchmarks (``benchmarks/profile_step.py``).
+
+Its trace reading is checked on a hand-written trace in the shape jax.profiler writes on a GPU
+(device and host processes, a stream thread and an XLA-ops annotation thread); its families on
+kernel names seen in H200 traces of this project. End to end, it runs the tiny BERT on a GPU,
+where the SEBP variant must show the three Pallas kernels and the dense one none, and on a CPU,
+where it must stop saying that the trace has no GPU kernels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+from benchmarks import profile_step  # noqa: E402
+
+
+@pytest.mark.parametrize("name, family", [
+  ("sebp_dx", "SEBP dX"),
+  ("sebp_dw", "SEBP dW"),
+  ("sebp_partition", "SEBP partition"),
+  ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN", "GEMM (cuBLAS)"),
+  ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM (cuBLAS)"),
+  ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention (cuDNN)"),
+  ("Memset (Device)", "copies"),
+  ("Memcpy DtoH (Device -> Pinned)", "copies"),
+  ("loop_multiply_fusion_12", profile_step.OTHER),
+  ("input_reduce_fusion_3", profile_step.OTHER),
+])
+def test_kernel_family_sorts_real_kernel_names(name, family):
+  assert profile_step.kernel_family(name) == family
+
+
+def _meta(kind: str, pid: int, name: str, tid: int = 0) -> dict:
+  return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _kernel(pid: int, tid: int, name: str, dur: float) -> dict:
+  return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0.0, "dur": dur}
+
+
+def test_kernel_times_sums_device_kernels_once_per_call():
+  events = [
+    _meta("process_name", 1, "/device:GPU:0"), _meta("process_name", 2, "/host:CPU"),
+    _meta("thread_name", 1, "Stream #13(Compute)", tid=13),
+    _meta("thread_name", 1, "XLA Ops", tid=99),
+    # Two calls of a program: a GEMM twice per call, an SEBP kernel once per call.
+    *[_kernel(1, 13, "nvjet_a", 100.0) for _ in range(4)],
+    _kernel(1, 13, "sebp_dx", 30.0), _kernel(1, 13, "sebp_dx", 50.0),
+    _kernel(1, 99, "fusion.3", 400.0),   # an op annotation spanning kernels: not counted
+    _kernel(2, 5, "PjitFunction", 900.0),  # host side: not counted
+    {"ph": "i", "pid": 1, "tid": 13, "name": "marker", "ts": 0.0},  # not a complete event
+  ]
+  times = profile_step.kernel_times(events, calls=2)
+  assert times == {"nvjet_a": (0.2, 2.0), "sebp_dx": (0.04, 1.0)}
+
+
+@pytest.mark.gpu
+def test_profile_of_the_tiny_bert_shows_the_sebp_kernels(tmp_path):
+  profile_step._main(["--model", "bert", "--tiny", "--batch", "4", "--workload", "trec",
+                      "--steps", "2", "--out-dir", str(tmp_path),
+                      "--variants", "jax-dense", "jax-sebp-pallas-nocond", "jax-bound"])
+  result = json.loads((tmp_path / "profile_bert_tiny_b4_trec.json").read_text())
+  by_name = {v["variant"]: v for v in result["variants"]}
+  sebp = {"SEBP dX", "SEBP dW", "SEBP partition"}
+  assert sebp <= {f for f, ms in by_name["jax-sebp-pallas-nocond"]["families"].items() if ms > 0}
+  assert not sebp & set(by_name["jax-dense"]["families"])
+  assert not sebp & set(by_name["jax-bound"]["families"])
+  for v in by_name.values():
+    assert sum(v["families"].values()) == pytest.approx(v["busy_ms"])
+    assert 0 < v["busy_ms"] and 0 < v["wall_ms"] and v["launches"] >= 1
+  assert "| **GPU busy** |" in (tmp_path / "profile_bert_tiny_b4_trec.md").read_text()
+
+
+def test_profile_without_a_gpu_stops_and_says_so(tmp_path):
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("a GPU is present: the end-to-end GPU test runs instead")
+  with pytest.raises(RuntimeError, match="no GPU kernel events; profile on a GPU"):
+    profile_step._main(["--model", "bert", "--tiny", "--batch", "2", "--workload", "trec",
+                        "--steps", "1", "--out-dir", str(tmp_path), "--variants", "jax-dense"])
