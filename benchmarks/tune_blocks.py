@@ -36,6 +36,11 @@ CANDIDATES = {
                       dw_m=64, dw_k=128, dw_n=256, dw_warps=8, dw_stages=3),
   "t64x256": _Config(dx_m=64, dx_k=256, dx_n=64, dx_warps=4, dx_stages=4,
                      dw_m=64, dw_k=256, dw_n=64, dw_warps=4, dw_stages=4),
+  # Few kept rows (LLaMA at batch 1): the dX programs that run are one or two row blocks times
+  # K / dx_k column blocks, each streaming its (dx_m + dx_k) x N slice of dy and the kernel;
+  # narrower column blocks spread that stream over more SMs (benchmarks/NOTES.md, "profile").
+  "dx_k32": _Config(dx_k=32),
+  "dx_k16": _Config(dx_k=16),
 }
 
 _DENSE_BACKWARD = sebp_backward("dense")

@@ -239,16 +239,19 @@ def _free_matmul_fwd(x, kernel):
 
 def _free_matmul_bwd(residuals, dy):
   import jax.numpy as jnp
-  from jax import lax
 
   x, kernel = residuals  # read for their shapes only: XLA drops them as residuals
-  # Zeros that neither JAX nor XLA can see through, so the rest of the backward runs as under
-  # SEBP: `dy` is still computed (the barrier consumes it), and the ops below that consume `dx`
-  # (activation and attention backward, the residual add) are not folded away. Symbolic zeros
-  # (returning None) would let JAX drop every backward op that only feeds a linear layer.
-  dx, dkernel, _ = lax.optimization_barrier(
-    (jnp.zeros(x.shape, x.dtype), jnp.zeros(kernel.shape, kernel.dtype), dy))
-  return dx, dkernel
+  # The bound must still compute `dy`, as SEBP must: the backward of the attention, activations
+  # and norms between linear layers. XLA deletes every op whose result nothing uses (an
+  # optimization barrier's unused output included), so where no bias gradient (a row sum of `dy`)
+  # uses `dy` -- LLaMA's layers have no bias -- the backward feeding it would vanish. Hence `dy`'s
+  # sum, made finite and multiplied by zero, is added to the zero gradients: one read of `dy`,
+  # the read SEBP's row scores make too. A runtime value, not a constant, so XLA cannot fold the
+  # zeros into the ops that consume `dx` (the activation backward, the residual add) either.
+  total = jnp.sum(dy, dtype=jnp.float32)
+  zero = 0.0 * jnp.nan_to_num(total, nan=0.0, posinf=0.0, neginf=0.0)
+  return (jnp.zeros(x.shape, x.dtype) + zero.astype(x.dtype),
+          jnp.zeros(kernel.shape, kernel.dtype) + zero.astype(kernel.dtype))
 
 
 def _free_matmul():
