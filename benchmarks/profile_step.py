@@ -87,7 +87,8 @@ def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
   files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
   if not files:
     raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
-  trace = json.loads(gzip.open(files[-1]).read())
+  with gzip.open(files[-1]) as f:
+    trace = json.load(f)
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 

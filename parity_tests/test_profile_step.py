@@ -59,6 +59,21 @@ def test_kernel_times_sums_device_kernels_once_per_call():
   assert times == {"nvjet_a": (0.2, 2.0), "sebp_dx": (0.04, 1.0)}
 
 
+def test_trace_events_reads_what_jax_profiler_writes(tmp_path):
+  square = jax.jit(lambda x: x * x)
+  x = jax.numpy.ones((8,))
+  square(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    square(x).block_until_ready()
+  events = profile_step._trace_events(tmp_path)
+  processes = {e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  assert any("/host:" in name for name in processes)
+  assert any(e.get("ph") == "X" for e in events)
+  with pytest.raises(RuntimeError, match="no perfetto trace"):
+    profile_step._trace_events(tmp_path / "empty")
+
+
 @pytest.mark.gpu
 def test_profile_of_the_tiny_bert_shows_the_sebp_kernels(tmp_path):
   profile_step._main(["--model", "bert", "--tiny", "--batch", "4", "--workload", "trec",
