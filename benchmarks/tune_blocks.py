@@ -41,6 +41,10 @@ CANDIDATES = {
   # narrower column blocks spread that stream over more SMs (benchmarks/NOTES.md, "profile").
   "dx_k32": _Config(dx_k=32),
   "dx_k16": _Config(dx_k=16),
+  # The same problem solved by splitting each of the first kept rows' dX tiles over N instead:
+  # every program streams 1/dx_split of the row block's N, and the float32 partials are summed.
+  "dx_split4": _Config(dx_split=4, dx_split_rows=128),
+  "dx_split8": _Config(dx_split=8, dx_split_rows=128),
 }
 
 _DENSE_BACKWARD = sebp_backward("dense")

@@ -56,15 +56,22 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
   assert_close(dw, want_dw, x.dtype, what="dw")
 
 
+# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none.
+# dx_split=3 over the first 32 kept rows: the N loop (4 steps of 16 once N is padded to 64) is
+# shared 2 / 2 / 0, and counts fall below, on and past those rows; with 128 split rows every row
+# of the 80 padded ones is split, and no unsplit kernel runs at all.
+SPLITS = [dict(dw_split=1), dict(dw_split=3), dict(dx_split=3, dx_split_rows=32),
+          dict(dx_split=2, dx_split_rows=128)]
+
+
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("dw_split", [1, 3])
+@pytest.mark.parametrize("split", SPLITS, ids=lambda split: "-".join(map(str, split.values())))
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 32, 33, 75])
-def test_count_around_block_boundaries(interpret, dw_split, count):
-  # dw_split=3: the 1..5 row blocks are shared unevenly by three programs, some with none.
+def test_count_around_block_boundaries(interpret, split, count):
   rng = np.random.default_rng(count)
   num_rows = 75  # not a multiple of 16: the last row tile is partial
   kept = np.sort(rng.choice(num_rows, count, replace=False))
-  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "dw_split": dw_split})
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret,
          config=config)
 
@@ -83,12 +90,16 @@ def test_partial_tiles(interpret, dtype, shape):
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("policy", [RowPolicy(threshold=0.01), RowPolicy(max_rows=20),
                                     RowPolicy(threshold=0.01, max_rows=5)])
-def test_dropped_rows_that_are_not_zero(interpret, policy):
+@pytest.mark.parametrize("split", SPLITS[::2], ids=lambda split: "-".join(map(str, split.values())))
+def test_dropped_rows_that_are_not_zero(interpret, policy, split):
   # Quiet rows (|dy| = 1e-3) are active for the exact policy but cut by these: the kernels must
-  # mask them in dx and dw, including inside the last, partial row block.
+  # mask them in dx and dw, including inside the last, partial row block (and in the split dX
+  # tiles' partial sums).
   rng = np.random.default_rng(7)
   kept = np.flatnonzero(rng.random(70) < 0.5)
-  _check(*_case(rng, 70, 29, 40, kept, jnp.float32, quiet=1e-3), policy, interpret=interpret)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  _check(*_case(rng, 70, 29, 40, kept, jnp.float32, quiet=1e-3), policy, interpret=interpret,
+         config=config)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)

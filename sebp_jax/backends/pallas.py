@@ -7,7 +7,9 @@ The plan (DESIGN §5):
 * **dX kernel**: grid over (row blocks of ``perm``, column blocks of ``K``). A block before
   ``count`` gathers ``dy[perm[rows]]``, multiplies by ``kernelᵀ`` and scatters the tile into
   ``dx[perm[rows]]``; a block past ``count`` only stores zeros. Every row of ``dx`` is written
-  exactly once: no memset, no atomics, no compacted copy;
+  exactly once: no memset, no atomics, no compacted copy. With ``dx_split`` (opt-in, not yet
+  measured), the first kept rows' tiles share their loop over ``N`` among several programs, whose
+  float32 partial tiles XLA sums and scatters to those rows;
 * **dW kernel**: grid over output tiles; each program loops over the kept rows only, with the
   runtime trip count ``cdiv(count, block_m)``, gathering ``x`` and ``dy`` rows through ``perm``.
   Where the tiles are fewer than the GPU's SMs, ``dw_split`` programs share a tile's rows and XLA
@@ -41,8 +43,11 @@ class BlockConfig:
   ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
   of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
-  partial tiles summed afterwards. ``crossover``: the kept-row fraction above which the dense
-  backward runs instead.
+  partial tiles summed afterwards. ``dx_split > 1``: the dX tiles of the first ``dx_split_rows``
+  kept rows are computed by ``dx_split`` programs each, sharing the loop over ``N`` (their float32
+  partial tiles summed by XLA and scattered to the rows): with few kept rows only a few row
+  blocks have work, and each would otherwise stream its whole ``N`` alone. ``crossover``: the
+  kept-row fraction above which the dense backward runs instead.
   """
 
   dx_m: int = 64
@@ -56,6 +61,8 @@ class BlockConfig:
   dw_warps: int = 8
   dw_stages: int = 3
   dw_split: int = 1
+  dx_split: int = 1
+  dx_split_rows: int = 128
   crossover: float = 0.4
 
 
@@ -200,29 +207,39 @@ def partition_pallas(keep: jax.Array, *, interpret: bool = False):
 
 
 def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
-               block_m: int, block_k: int, block_n: int, mask_rows: bool, precision):
-  """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``."""
-  row_block, col_block = pl.program_id(0), pl.program_id(1)
+               block_m: int, block_k: int, block_n: int, mask_rows: bool, precision,
+               first_block: int = 0, split: int = 1):
+  """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, ``block`` counted from
+  ``first_block``. With ``split > 1``, this program's share of the loop over ``N`` instead: a
+  float32 partial tile at ``dx[part, block]``, in ``perm`` order."""
+  row_block, col_block = first_block + pl.program_id(0), pl.program_id(1)
   count = count_ref[0]
   start = row_block * block_m
   rows = perm_ref[pl.ds(start, block_m)]
   cols = pl.ds(col_block * block_k, block_k)
+  total = dy_ref.shape[1] // block_n
+  per_part = -(-total // split)
+  first_step = 0 if split == 1 else pl.program_id(2) * per_part
 
   def step(n, acc):
-    span = pl.ds(n * block_n, block_n)
+    span = pl.ds((first_step + n) * block_n, block_n)
     return acc + lax.dot_general(dy_ref[rows, span], kernel_ref[cols, span], DX_DIMS,
                                  precision=precision, preferred_element_type=jnp.float32)
 
   # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
   # stays a plain pipelined loop, and loaded tiles go to the dot untouched.
   # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
-  steps = (start < count).astype(jnp.int32) * (dy_ref.shape[1] // block_n)
+  share = total if split == 1 else jnp.maximum(jnp.minimum(total - first_step, per_part), 0)
+  steps = (start < count).astype(jnp.int32) * share
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
   if mask_rows:
     # Row i of dx depends on row i of dy only, and dropped rows are finite (non-finite rows are
     # always kept): zeroing the dropped rows' results equals zeroing their gradient first.
     acc = jnp.where((start + jnp.arange(block_m) < count)[:, None], acc, 0.0)
-  dx_ref[rows, cols] = acc.astype(dx_ref.dtype)
+  if split == 1:
+    dx_ref[rows, cols] = acc.astype(dx_ref.dtype)
+  else:
+    dx_ref[pl.program_id(2), pl.ds(start, block_m), cols] = acc
 
 
 def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
@@ -258,6 +275,13 @@ def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
     dw_ref[part, k_span, n_span] = acc
 
 
+def _dx_split_rows(num_rows: int, config: BlockConfig) -> int:
+  """Leading ``perm`` positions whose dX tiles split their ``N`` loop (0: none)."""
+  if config.dx_split <= 1:
+    return 0
+  return min(config.dx_split_rows, num_rows) // config.dx_m * config.dx_m
+
+
 def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, mask_rows: bool = True,
               precision=None, interpret: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` on padded operands.
@@ -273,12 +297,29 @@ def dx_pallas(dy, kernel, perm, count, *, config: BlockConfig, mask_rows: bool =
   """
   num_rows, _ = dy.shape
   in_features = kernel.shape[0]
-  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                           block_n=config.dx_n, mask_rows=mask_rows, precision=precision)
-  return _launch(body, jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype),
-                 grid=(num_rows // config.dx_m, in_features // config.dx_k),
-                 warps=config.dx_warps, stages=config.dx_stages, interpret=interpret,
-                 name="sebp_dx")(count, perm, dy, kernel)
+  tile = dict(block_m=config.dx_m, block_k=config.dx_k, block_n=config.dx_n,
+              mask_rows=mask_rows, precision=precision)
+  launch = functools.partial(_launch, warps=config.dx_warps, stages=config.dx_stages,
+                             interpret=interpret)
+  col_blocks = in_features // config.dx_k
+  split_rows = _dx_split_rows(num_rows, config)
+  out_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  if split_rows == num_rows:  # every row's tile is split: the scatter below writes them all
+    dx = jnp.zeros(out_shape.shape, out_shape.dtype)
+  else:
+    body = functools.partial(_dx_kernel, **tile, first_block=split_rows // config.dx_m)
+    dx = launch(body, out_shape, grid=((num_rows - split_rows) // config.dx_m, col_blocks),
+                name="sebp_dx")(count, perm, dy, kernel)
+  if not split_rows:
+    return dx
+  partials = launch(
+    functools.partial(_dx_kernel, **tile, split=config.dx_split),
+    jax.ShapeDtypeStruct((config.dx_split, split_rows, in_features), jnp.float32),
+    grid=(split_rows // config.dx_m, col_blocks, config.dx_split),
+    name="sebp_dx_split")(count, perm, dy, kernel)
+  # The rows at perm[:split_rows] are exactly those the kernel above left unwritten.
+  return dx.at[perm[:split_rows]].set(partials.sum(axis=0).astype(dx.dtype),
+                                      unique_indices=True)
 
 
 def dw_pallas(x, dy, perm, count, *, config: BlockConfig, mask_rows: bool = True,

@@ -9,7 +9,6 @@ compiled program is the same whatever the padding: nothing retraces when ``count
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
