@@ -1,0 +1,57 @@
+"""``benchmarks/summary.py``: the README's ranges, against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import summary
+
+
+def _row(workload: str, variant: str, *, bwd: float, step: float, mem: int | None = 100,
+         active: float = 0.1, error: str | None = None) -> dict:
+  return dict(workload=workload, dataset=workload, framework=variant.split("-")[0],
+              impl=variant, variant=variant, batch=4, seq_len=64, active_fraction=active,
+              fwd_ms=1.0, bwd_ms=bwd, opt_ms=step - bwd - 1.0, step_ms=step,
+              peak_mem_bytes=mem, compile_count=1, compile_s=0.0, error=error)
+
+
+RESULT = {"benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "seq_len": 64, "rows": [
+  _row("a", "jax-dense", bwd=10.0, step=20.0),
+  _row("b", "jax-dense", bwd=12.0, step=24.0),
+  _row("full_length", "jax-dense", bwd=15.0, step=30.0, active=1.0),
+  _row("a", "jax-bound", bwd=2.0, step=12.0, mem=80),
+  _row("b", "jax-bound", bwd=4.0, step=16.0, mem=80),
+  _row("a", "jax-sebp-pallas", bwd=4.0, step=14.0, mem=101),
+  _row("b", "jax-sebp-pallas", bwd=6.0, step=16.0, mem=101),
+  _row("full_length", "jax-sebp-pallas", bwd=15.3, step=30.6, mem=101, active=1.0),
+  _row("a", "torch-dense", bwd=20.0, step=40.0, mem=None),
+  _row("b", "torch-dense", bwd=0.0, step=0.0, mem=None, error="out of memory"),
+]}
+
+
+def test_way_to_bound_is_zero_at_dense_and_one_at_the_bound():
+  assert summary.way_to_bound(10.0, 10.0, 2.0) == 0.0
+  assert summary.way_to_bound(10.0, 2.0, 2.0) == 1.0
+  assert summary.way_to_bound(10.0, 4.0, 2.0) == 0.75
+  with pytest.raises(ValueError, match="bound"):
+    summary.way_to_bound(2.0, 4.0, 10.0)
+
+
+def test_variant_ranges_cover_the_padded_workloads():
+  ranges = summary.variant_ranges(RESULT)
+  sebp = ranges[(4, "jax-sebp-pallas")]
+  assert sebp["bwd_x"] == (2.0, 2.5)                   # 12 / 6, 10 / 4
+  assert sebp["step_x"] == (1.4285714285714286, 1.5)   # 20 / 14, 24 / 16
+  assert sebp["way"] == (0.75, 0.75)                   # (10-4)/(10-2), (12-6)/(12-4)
+  assert sebp["mem"] == pytest.approx((0.01, 0.01))
+  assert sebp["full_step"] == pytest.approx((1.02, 1.02))  # full length is kept apart
+  assert ranges[(4, "jax-bound")]["way"] is None        # the bound against itself says nothing
+  torch = ranges[(4, "torch-dense")]
+  assert torch["bwd_x"] == (0.5, 0.5) and torch["way"] is None  # the failed row is left out
+  assert torch["mem"] is None
+
+
+def test_markdown_summary_writes_one_row_per_variant():
+  text = summary.markdown_summary(RESULT)
+  assert "| 4 | jax-sebp-pallas | 2.00–2.50× | 1.43–1.50× | 75 % | +1.00 % | 1.020× |" in text
+  assert "| 4 | torch-dense | 0.50× | 0.50× | – | – | – |" in text
