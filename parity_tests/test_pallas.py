@@ -173,6 +173,30 @@ def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
   assert config.dw_split == split
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
+@pytest.mark.parametrize("split", [dict(), dict(dw_split=3), dict(dx_split=4)],
+                         ids=["plain", "dw_split", "dx_split"])
+def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
+  # The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
+  # catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
+  # compilation to PTX needs the GPU). The Triton custom calls are not serializable in general,
+  # which is the one check disabled here.
+  from jax import export
+
+  config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
+                                         "crossover": 0.4})
+  shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in ((500, 192), (192, 320), (500, 320))]
+  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=policy,
+                                                              config=config))
+  exported = export.export(
+    backward, platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+  # Partition, dX and dW; one more for the split dX tiles.
+  expected = 4 if split.get("dx_split", 1) > 1 else 3
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
 def _conds_in_backward(run, x, kernel):
   """``cond`` equations in the jaxpr of ``run``'s gradient with respect to ``x`` and ``kernel``."""
   grad = jax.grad(lambda x, k: jnp.sum(run(x, k) ** 2), argnums=(0, 1))
