@@ -26,7 +26,6 @@ import json
 import pathlib
 import statistics
 import tempfile
-import time
 from typing import Any, Iterable, Sequence
 
 from benchmarks.workloads import (
@@ -104,16 +103,13 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   """
   import jax
 
+  from benchmarks.timing import wall_ms
+
   _, value_and_grad = jax_loss_and_grad(spec, variant, module)
   grad_fn = jax.jit(value_and_grad)
   warm, timed = batches[0], batches[1:]
   jax.block_until_ready(grad_fn(params, warm))
-  walls = []
-  for _ in range(repeats):
-    for batch in timed:
-      start = time.perf_counter()
-      jax.block_until_ready(grad_fn(params, batch))
-      walls.append((time.perf_counter() - start) * 1e3)
+  walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for batch in timed:

@@ -14,12 +14,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-__all__ = ["device_time_ms", "environment"]
+__all__ = ["wall_ms", "device_time_ms", "environment"]
 
 
-def _timed_ms(fn, args) -> float:
+def wall_ms(fn: Callable[[], Any]) -> float:
+  """Host wall time of one ``fn()`` call until its results are ready, in milliseconds."""
   start = time.perf_counter()
-  jax.block_until_ready(fn(args))
+  jax.block_until_ready(fn())
   return (time.perf_counter() - start) * 1e3
 
 
@@ -40,7 +41,7 @@ def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
   for args in (full, half, full, half):  # compile and warm up both programs
     jax.block_until_ready(many(args))
   # The two programs alternate, so a drift of clocks or of a neighbour's load hits both alike.
-  slopes = [(_timed_ms(many, full) - _timed_ms(many, half)) / (reps - reps // 2)
+  slopes = [(wall_ms(lambda: many(full)) - wall_ms(lambda: many(half))) / (reps - reps // 2)
             for _ in range(trials)]
   return max(statistics.median(slopes), 0.0)
 

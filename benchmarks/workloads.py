@@ -430,14 +430,6 @@ def random_params(module, spec: ModelSpec, seed: int = 0):
   return make(keys)
 
 
-def _wall_ms(fn: Callable[[], Any]) -> float:
-  import jax
-
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  return (time.perf_counter() - start) * 1e3
-
-
 def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:
   """The variant's loss ``(params, batch) -> scalar``, traced in its context (which backward each
   linear layer gets), and the ``jax.value_and_grad`` form of it that the variant uses."""
@@ -459,7 +451,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   import jax
   import optax
 
-  from benchmarks.timing import environment
+  from benchmarks.timing import environment, wall_ms
 
   yield environment()
   module = spec.jax_module()
@@ -514,8 +506,8 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
         for b in device_batches[:settings.warmup]:
           params, opt_state, _ = step_fn(params, opt_state, b)
         timed = device_batches[settings.warmup:]
-        row.fwd_ms = _median([_wall_ms(lambda: fwd_fn(params, b)) for b in timed])
-        grad_ms = _median([_wall_ms(lambda: grad_fn(params, b)) for b in timed])
+        row.fwd_ms = _median([wall_ms(lambda: fwd_fn(params, b)) for b in timed])
+        grad_ms = _median([wall_ms(lambda: grad_fn(params, b)) for b in timed])
         step_times = []
         for b in timed:
           start = time.perf_counter()
