@@ -206,6 +206,14 @@ def partition_pallas(keep: jax.Array, *, interpret: bool = False):
                  name="sebp_partition")(flags)
 
 
+def _split_share(total, split: int, part):
+  """``(first, steps)``: program ``part``'s share, the ``part``-th of ``split`` contiguous runs,
+  of a loop of ``total`` steps; the last runs may be shorter or empty."""
+  per_part = pl.cdiv(total, split)
+  first = part * per_part
+  return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
+
+
 def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
                block_m: int, block_k: int, block_n: int, mask_rows: bool, precision,
                first_block: int = 0, split: int = 1):
@@ -218,8 +226,7 @@ def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
   rows = perm_ref[pl.ds(start, block_m)]
   cols = pl.ds(col_block * block_k, block_k)
   total = dy_ref.shape[1] // block_n
-  per_part = -(-total // split)
-  first_step = 0 if split == 1 else pl.program_id(2) * per_part
+  first_step, share = (0, total) if split == 1 else _split_share(total, split, pl.program_id(2))
 
   def step(n, acc):
     span = pl.ds((first_step + n) * block_n, block_n)
@@ -229,7 +236,6 @@ def _dx_kernel(count_ref, perm_ref, dy_ref, kernel_ref, dx_ref, *,
   # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
   # stays a plain pipelined loop, and loaded tiles go to the dot untouched.
   # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
-  share = total if split == 1 else jnp.maximum(jnp.minimum(total - first_step, per_part), 0)
   steps = (start < count).astype(jnp.int32) * share
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
   if mask_rows:
@@ -263,10 +269,7 @@ def _dw_kernel(count_ref, perm_ref, x_ref, dy_ref, dw_ref, *,
 
   # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  blocks = pl.cdiv(count, block_m)
-  per_part = pl.cdiv(blocks, split)
-  first = part * per_part
-  steps = jnp.maximum(jnp.minimum(blocks - first, per_part), 0)
+  first, steps = _split_share(pl.cdiv(count, block_m), split, part)
   acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
                       jnp.zeros((block_k, block_n), jnp.float32))
   if split == 1:
