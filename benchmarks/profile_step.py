@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, library_versions, random_params,
-  workload_batches,
+  versions_text, workload_batches,
 )
 
 __all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
@@ -143,7 +143,7 @@ def markdown_report(result: dict) -> str:
     "",
     "GPU time per call in ms, summed over the kernels of each family, averaged over "
     f"{result['traced_calls']} traced calls; wall is the median of host-timed calls. Versions: "
-    + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + ".",
+    f"{versions_text(result['versions'])}.",
     "",
     "| | " + " | ".join(v["variant"] for v in variants) + " |",
     "|---|" + "---|" * len(variants),

@@ -77,6 +77,7 @@ __all__ = [
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
+  "versions_text",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -620,6 +621,11 @@ def library_versions() -> dict[str, str | None]:
   return out
 
 
+def versions_text(versions: dict[str, str | None]) -> str:
+  """``"jax 0.11.2, flax 0.12.10, ..."``: the installed ones of :func:`library_versions`."""
+  return ", ".join(f"{name} {version}" for name, version in versions.items() if version)
+
+
 def _error_rows(spec: ModelSpec, variant: Variant, settings: Settings, error: str) -> list[Row]:
   rows = []
   for batch_size in sorted(spec.batch_sizes):
@@ -822,7 +828,7 @@ def markdown_table(result: dict) -> str:
     "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
     "Speedups are jax-dense's time over the variant's. "
-    "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v) + "."
+    f"Versions: {versions_text(result['versions'])}."
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),
     "",
