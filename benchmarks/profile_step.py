@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
-import importlib
 import json
 import pathlib
 import statistics
@@ -29,8 +28,8 @@ import tempfile
 from typing import Any, Iterable, Sequence
 
 from benchmarks.workloads import (
-  VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, library_versions, random_params,
-  versions_text, workload_batches,
+  VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, library_versions, prepared_workload,
+  versions_text,
 )
 
 __all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
@@ -176,18 +175,13 @@ def _main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
   parser.add_argument("--out-dir", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
-  spec = importlib.import_module(f"benchmarks.{args.model}").build(args.tiny)
-  workloads = {w.name: w for w in spec.workloads}
-  if args.workload not in workloads:
-    parser.error(f"--workload: {args.workload!r} is not one of {sorted(workloads)}")
   if args.steps < 1:
     parser.error("--steps must be >= 1")
-
-  module = spec.jax_module()
-  params = random_params(module, spec)
-  host_batches, active = workload_batches(spec, workloads[args.workload], args.batch,
-                                          Settings(warmup=1, steps=args.steps), dynamic=False)
-  batches = [jax.device_put(b) for b in host_batches]
+  try:
+    spec, module, params, batches, active = prepared_workload(
+      args.model, args.workload, args.batch, Settings(warmup=1, steps=args.steps), tiny=args.tiny)
+  except ValueError as error:
+    parser.error(f"--{error}")
   device = jax.devices()[0]
   result = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
             "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,

@@ -57,6 +57,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import importlib
 import importlib.metadata
 import json
 import os
@@ -255,38 +257,44 @@ def _free_matmul_bwd(residuals, dy):
           jnp.zeros(kernel.shape, kernel.dtype) + zero.astype(kernel.dtype))
 
 
-def _free_matmul():
+def _free_matmul(backward: Callable):
   import jax
 
   matmul = jax.custom_vjp(lambda x, kernel: _free_matmul_fwd(x, kernel)[0])
-  matmul.defvjp(_free_matmul_fwd, _free_matmul_bwd)
+  matmul.defvjp(_free_matmul_fwd, backward)
   return matmul
 
 
-def _free_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """``lax.dot_general`` whose backward (for ``x (..., K) @ kernel (K, N)``) costs nothing."""
+def _free_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                      *, backward: Callable):
+  """``lax.dot_general`` whose backward (for ``x (..., K) @ kernel (K, N)``) is ``backward``."""
   from jax import lax
 
   if (rhs.ndim == 2 and preferred_element_type is None
       and tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,))
       and not any(dimension_numbers[1])):
-    return _free_matmul()(lhs, rhs)
+    return _free_matmul(backward)(lhs, rhs)
   return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                          preferred_element_type=preferred_element_type)
 
 
 @contextlib.contextmanager
-def free_linear_backward() -> Iterator[None]:
+def free_linear_backward(backward: Callable = _free_matmul_bwd) -> Iterator[None]:
   """Every ``nn.Dense`` (and ``nn.Embed.attend``) traced inside gets a free backward.
 
   The forward is the plain matmul; the backward returns zero ``dx`` and ``dkernel`` without any
   matmul (the bias gradient, a row sum, is still computed, as SEBP computes it). The rest of the
   backward runs as usual, so a model's step under this context is the fastest any SEBP backend
   could make it: the bound of the ``jax-bound`` variant.
+
+  Args:
+    backward: the linear layers' VJP, ``((x, kernel), dy) -> (dx, dkernel)``. The default's zeros
+      depend on ``dy`` at run time; :mod:`benchmarks.bound_definitions` passes others to show
+      what a bound that lets XLA skip more would claim.
   """
   from sebp_jax.linen import swap_dot_general
 
-  with swap_dot_general(_free_dot_general):
+  with swap_dot_general(functools.partial(_free_dot_general, backward=backward)):
     yield
 
 
@@ -429,6 +437,33 @@ def random_params(module, spec: ModelSpec, seed: int = 0):
   make = jax.jit(lambda keys: treedef.unflatten(
     [fill(path, leaf, key) for (path, leaf), key in zip(leaves, keys)]))
   return make(keys)
+
+
+def prepared_workload(model: str, workload: str, batch: int, settings: Settings, *,
+                      tiny: bool = False) -> tuple[ModelSpec, Any, Any, list[Batch], float]:
+  """One workload of a model benchmark, ready to run: for the tools that study a single program.
+
+  Args:
+    model: the benchmark's module under ``benchmarks`` (``"bert"``, ``"llama"``).
+    workload: one of its workloads' names.
+    batch: sequences per batch.
+    settings: how many warm-up and timed batches to make.
+    tiny: the model's 1-layer configuration.
+
+  Returns:
+    ``(spec, module, params, batches, active_fraction)``: random bfloat16 parameters and the
+    workload's batches on the default device, warm-up ones first.
+  """
+  import jax
+
+  spec = importlib.import_module(f"benchmarks.{model}").build(tiny)
+  by_name = {w.name: w for w in spec.workloads}
+  if workload not in by_name:
+    raise ValueError(f"workload: {workload!r} is not one of {sorted(by_name)}")
+  module = spec.jax_module()
+  host_batches, active = workload_batches(spec, by_name[workload], batch, settings, dynamic=False)
+  return (spec, module, random_params(module, spec), [jax.device_put(b) for b in host_batches],
+          active)
 
 
 def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:

@@ -1,0 +1,172 @@
+"""How much the definition of the bound moves it: ``jax-bound`` beside two looser definitions.
+
+The bound of the model benchmarks is the model with every linear layer's backward made free. Three
+ways to make it free, on one model, workload and batch size:
+
+* ``jax-bound`` (:func:`benchmarks.workloads.free_linear_backward`, the benchmarks' bound): zero
+  ``dx`` and ``dkernel`` that depend on ``dy`` at run time. Everything between the linear layers
+  (attention, activations, norms) keeps its backward, as it must under SEBP, whose ``dx`` is not
+  zero.
+* ``zeros, dy unread``: the same zeros as constants, and nothing reads ``dy``. Where a bias
+  gradient reads it (BERT) that only drops ``jax-bound``'s one read of ``dy`` per layer, a read
+  SEBP makes too (its row scores); where none does (LLaMA), XLA deletes everything that only feeds
+  ``dy``: the backward between linear layers. The first version of ``jax-bound`` was this one.
+* ``no gradient``: ``stop_gradient`` on both operands of every linear layer. JAX's autodiff never
+  builds the backward of anything whose gradient only flows into a linear layer.
+
+For each, the forward and the loss-and-gradients program are timed on the device
+(:func:`benchmarks.timing.device_time_ms`), the backward is their difference, and the compiled
+program's instructions are counted. The looser definitions are not bounds of SEBP: they skip work
+SEBP has to do. They show what a bound measured that way would claim.
+
+Usage (writes ``bound_definitions_bert_b32_glue_sst2.json`` and ``.md`` under ``--out-dir``)::
+
+    python -m benchmarks.bound_definitions --model bert --batch 32 --workload glue_sst2 \\
+        --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import re
+from typing import Any, Callable, Sequence
+
+from benchmarks.workloads import (
+  Settings, free_linear_backward, library_versions, prepared_workload, versions_text,
+)
+
+__all__ = ["DEFINITIONS", "hlo_instructions", "measure", "markdown_table"]
+
+
+def _unread_dy_backward(residuals, dy):
+  import jax.numpy as jnp
+
+  x, kernel = residuals
+  del dy  # nothing reads it: the zeros are compile-time constants
+
+  return jnp.zeros(x.shape, x.dtype), jnp.zeros(kernel.shape, kernel.dtype)
+
+
+def _no_gradient_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                             preferred_element_type=None):
+  from jax import lax
+
+  return lax.dot_general(lax.stop_gradient(lhs), lax.stop_gradient(rhs), dimension_numbers,
+                         precision=precision, preferred_element_type=preferred_element_type)
+
+
+def _no_gradient() -> contextlib.AbstractContextManager:
+  from sebp_jax.linen import swap_dot_general
+
+  return swap_dot_general(_no_gradient_dot_general)
+
+
+# name -> the context the loss is traced in; "dense" is the reference every speedup is over.
+DEFINITIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+  "dense": contextlib.nullcontext,
+  "jax-bound": free_linear_backward,
+  "zeros, dy unread": lambda: free_linear_backward(_unread_dy_backward),
+  "no gradient": _no_gradient,
+}
+
+# One instruction per line of XLA's HLO text: "  [ROOT ]name = type op(...)".
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
+
+
+def hlo_instructions(hlo_text: str) -> int:
+  """Instructions in an HLO module's text (every computation's, fusions' bodies included)."""
+  return len(_INSTRUCTION.findall(hlo_text))
+
+
+def measure(loss: Callable[[Any, dict], Any], params: Any, batches: Sequence[dict],
+            definition: str) -> dict:
+  """Forward, loss-and-gradients and backward device time (ms) of ``loss`` traced under one of
+  :data:`DEFINITIONS`, and the loss-and-gradients program's instruction count.
+
+  ``loss(params, batch)`` is the model's loss; ``batches`` (>= 2, the same shapes) are the
+  distinct inputs the timing alternates over.
+  """
+  import jax
+
+  from benchmarks.timing import device_time_ms
+
+  context = DEFINITIONS[definition]
+
+  def traced_loss(params, batch):
+    with context():
+      return loss(params, batch)
+
+  value_and_grad = jax.value_and_grad(traced_loss)
+  inputs = [(params, batch) for batch in batches]
+  fwd = device_time_ms(traced_loss, inputs)
+  grad = device_time_ms(value_and_grad, inputs)
+  hlo = jax.jit(value_and_grad).lower(params, batches[0]).compile().as_text()
+  return {"definition": definition, "fwd_ms": fwd, "grad_ms": grad, "bwd_ms": grad - fwd,
+          "hlo_instructions": hlo_instructions(hlo)}
+
+
+def markdown_table(result: dict) -> str:
+  """Each definition's times, its backward speedup over dense and its program size."""
+  dense_bwd = next(r["bwd_ms"] for r in result["rows"] if r["definition"] == "dense")
+  lines = [
+    f"# Bound definitions, {result['benchmark']}: {result['gpu']}, {result['dtype']}, batch "
+    f"{result['batch']} × {result['seq_len']}, {result['workload']} "
+    f"({100 * result['active_fraction']:.1f} % real tokens)",
+    "",
+    "Device time per call (median slope over distinct batches), backward = loss-and-gradients − "
+    f"forward; instructions of the compiled loss-and-gradients program. Versions: "
+    f"{versions_text(result['versions'])}.",
+    "",
+    "| definition | fwd ms | fwd+bwd ms | bwd ms | bwd × dense | HLO instructions |",
+    "|---|---|---|---|---|---|",
+  ]
+  for row in result["rows"]:
+    speedup = dense_bwd / row["bwd_ms"] if row["bwd_ms"] > 0 else float("inf")
+    lines.append(f"| {row['definition']} | {row['fwd_ms']:.2f} | {row['grad_ms']:.2f} | "
+                 f"{row['bwd_ms']:.2f} | {speedup:.2f}× | {row['hlo_instructions']} |")
+  return "\n".join(lines) + "\n"
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+  import jax
+
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.bound_definitions")
+  parser.add_argument("--model", required=True, choices=["bert", "llama"])
+  parser.add_argument("--batch", type=int, required=True)
+  parser.add_argument("--workload", required=True)
+  parser.add_argument("--reps", type=int, default=6, help="distinct batches timed (>= 2)")
+  parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
+  parser.add_argument("--out-dir", type=pathlib.Path, required=True)
+  args = parser.parse_args(argv)
+  if args.reps < 2:
+    parser.error("--reps must be >= 2")
+  try:
+    spec, module, params, batches, active = prepared_workload(
+      args.model, args.workload, args.batch, Settings(warmup=0, steps=args.reps), tiny=args.tiny)
+  except ValueError as error:
+    parser.error(f"--{error}")
+
+  def loss(params, batch):
+    return spec.jax_loss(module, params, batch)
+
+  device = jax.devices()[0]
+  result = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
+            "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
+            "workload": args.workload, "active_fraction": active,
+            "versions": library_versions(), "rows": []}
+  stem = f"bound_definitions_{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  for definition in DEFINITIONS:
+    row = measure(loss, params, batches, definition)
+    result["rows"].append(row)
+    print(f"{definition}: fwd {row['fwd_ms']:.2f} ms, bwd {row['bwd_ms']:.2f} ms, "
+          f"{row['hlo_instructions']} instructions", flush=True)
+  (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+  (args.out_dir / f"{stem}.md").write_text(markdown_table(result))
+
+
+if __name__ == "__main__":
+  _main()

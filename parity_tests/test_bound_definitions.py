@@ -1,0 +1,104 @@
+"""The bound-definition comparison (``benchmarks/bound_definitions.py``).
+
+Each definition is checked for what it claims to do to a small model: the same forward as dense,
+zero gradients for the linear kernels, and which part of the backward survives compilation (the
+derivative of a ``sin`` between two linear layers: ``jax-bound`` keeps it; without a bias, whose
+gradient reads ``dy``, the looser definitions let XLA or JAX drop it). The tiny BERT runs end to end on the CPU into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import bound_definitions, profile_step  # noqa: E402
+
+
+class _SinBetweenLinears(nn.Module):
+  use_bias: bool
+
+  @nn.compact
+  def __call__(self, x):
+    up = nn.Dense(13, use_bias=self.use_bias, name="up")
+    return nn.Dense(5, use_bias=self.use_bias, name="down")(jnp.sin(up(x)))
+
+
+def _compiled_gradient(definition: str, use_bias: bool):
+  model = _SinBetweenLinears(use_bias)
+  x = jax.random.normal(jax.random.key(3), (6, 9))
+  params = model.init(jax.random.key(4), x)
+
+  def loss(params, x):
+    with bound_definitions.DEFINITIONS[definition]():
+      return jnp.sum(model.apply(params, x) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss))
+  return grad(params, x), grad.lower(params, x).compile().as_text()
+
+
+@pytest.mark.parametrize("definition, use_bias, keeps_cosine", [
+  ("jax-bound", True, True), ("jax-bound", False, True),
+  ("zeros, dy unread", True, True), ("zeros, dy unread", False, False),
+  ("no gradient", True, False), ("no gradient", False, False)])
+def test_definitions_zero_the_kernels_and_keep_or_drop_the_backward_between(
+    definition, use_bias, keeps_cosine):
+  (value, grads), hlo = _compiled_gradient(definition, use_bias)
+  (dense_value, dense_grads), dense_hlo = _compiled_gradient("dense", use_bias)
+  np.testing.assert_allclose(value, dense_value, rtol=1e-6)  # the forward is untouched
+  grads, dense_grads = grads["params"], dense_grads["params"]
+  for layer in ("up", "down"):
+    np.testing.assert_array_equal(grads[layer]["kernel"], 0.0)
+    assert np.abs(dense_grads[layer]["kernel"]).max() > 0
+  assert ("cosine" in dense_hlo) and (("cosine" in hlo) == keeps_cosine)
+  if use_bias and definition != "no gradient":  # the bias gradient, a row sum of dy, is exact
+    np.testing.assert_allclose(grads["down"]["bias"], dense_grads["down"]["bias"], rtol=1e-5)
+
+
+def test_hlo_instructions_counts_every_computations_instructions():
+  text = """HloModule m, entry_computation_layout={(f32[2]{0})->f32[2]{0}}
+
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %s = f32[2]{0} sine(%p)
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  add.1 = f32[2]{0} add(%a, %a)
+  ROOT %f = f32[2]{0} fusion(add.1), kind=kLoop, calls=%fused
+}
+"""
+  assert bound_definitions.hlo_instructions(text) == 5
+
+
+def test_tiny_bert_end_to_end(tmp_path):
+  bound_definitions._main(["--model", "bert", "--tiny", "--batch", "2", "--workload", "trec",
+                           "--reps", "2", "--out-dir", str(tmp_path)])
+  result = json.loads((tmp_path / "bound_definitions_bert_tiny_b2_trec.json").read_text())
+  rows = {row["definition"]: row for row in result["rows"]}
+  assert list(rows) == list(bound_definitions.DEFINITIONS)
+  for row in rows.values():
+    assert row["fwd_ms"] > 0 and row["grad_ms"] > 0
+    assert row["bwd_ms"] == pytest.approx(row["grad_ms"] - row["fwd_ms"])
+  # Each looser definition compiles to a smaller program: it skips work jax-bound keeps.
+  sizes = [rows[name]["hlo_instructions"] for name in ("no gradient", "zeros, dy unread",
+                                                       "jax-bound")]
+  assert sizes == sorted(sizes) and len(set(sizes)) == 3
+  table = (tmp_path / "bound_definitions_bert_tiny_b2_trec.md").read_text()
+  assert "| dense |" in table and "| 1.00× |" in table
+
+
+@pytest.mark.parametrize("main", [bound_definitions._main, profile_step._main],
+                         ids=["bound_definitions", "profile_step"])
+def test_an_unknown_workload_is_named(main, tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    main(["--model", "bert", "--tiny", "--batch", "2", "--workload", "nope",
+          "--out-dir", str(tmp_path)])
+  assert "--workload: 'nope' is not one of" in capsys.readouterr().err
