@@ -7,9 +7,10 @@ The plan (DESIGN §5):
 * **dX kernel**: grid over (row blocks of ``perm``, column blocks of ``K``). A block before
   ``count`` gathers ``dy[perm[rows]]``, multiplies by ``kernelᵀ`` and scatters the tile into
   ``dx[perm[rows]]``; a block past ``count`` only stores zeros. Every row of ``dx`` is written
-  exactly once: no memset, no atomics, no compacted copy. With ``dx_split`` (opt-in, not yet
-  measured), the first kept rows' tiles share their loop over ``N`` among several programs, whose
-  float32 partial tiles XLA sums and scatters to those rows;
+  exactly once: no memset, no atomics, no compacted copy. With ``dx_split`` (opt-in: faster up
+  to ``dx_split_rows`` kept rows, slower past them; benchmarks/NOTES.md, "v6 outcome"), the first
+  kept rows' tiles share their loop over ``N`` among several programs, whose float32 partial
+  tiles XLA sums and scatters to those rows;
 * **dW kernel**: grid over output tiles; each program loops over the kept rows only, with the
   runtime trip count ``cdiv(count, block_m)``, gathering ``x`` and ``dy`` rows through ``perm``.
   Where the tiles are fewer than the GPU's SMs, ``dw_split`` programs share a tile's rows and XLA
