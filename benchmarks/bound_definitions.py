@@ -27,15 +27,13 @@ Usage (writes ``bound_definitions_bert_b32_glue_sst2.json`` and ``.md`` under ``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import pathlib
 import re
 from typing import Any, Callable, Sequence
 
 from benchmarks.workloads import (
-  Settings, free_linear_backward, library_versions, prepared_workload, versions_text,
+  Settings, free_linear_backward, prepared_workload, single_workload_parser, versions_text,
 )
 
 __all__ = ["DEFINITIONS", "hlo_instructions", "measure", "markdown_table"]
@@ -131,33 +129,19 @@ def markdown_table(result: dict) -> str:
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-  import jax
-
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.bound_definitions")
-  parser.add_argument("--model", required=True, choices=["bert", "llama"])
-  parser.add_argument("--batch", type=int, required=True)
-  parser.add_argument("--workload", required=True)
+  parser = single_workload_parser("python -m benchmarks.bound_definitions")
   parser.add_argument("--reps", type=int, default=6, help="distinct batches timed (>= 2)")
-  parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
-  parser.add_argument("--out-dir", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
   if args.reps < 2:
     parser.error("--reps must be >= 2")
-  try:
-    spec, module, params, batches, active = prepared_workload(
-      args.model, args.workload, args.batch, Settings(warmup=0, steps=args.reps), tiny=args.tiny)
-  except ValueError as error:
-    parser.error(f"--{error}")
+  spec, module, params, batches, header, stem = prepared_workload(
+    parser, args, Settings(warmup=0, steps=args.reps))
 
   def loss(params, batch):
     return spec.jax_loss(module, params, batch)
 
-  device = jax.devices()[0]
-  result = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
-            "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
-            "workload": args.workload, "active_fraction": active,
-            "versions": library_versions(), "rows": []}
-  stem = f"bound_definitions_{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
+  result = {**header, "rows": []}
+  stem = f"bound_definitions_{stem}"
   args.out_dir.mkdir(parents=True, exist_ok=True)
   for definition in DEFINITIONS:
     row = measure(loss, params, batches, definition)

@@ -18,7 +18,6 @@ Needs a GPU: a CPU trace has no kernel events, and the run stops saying so.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -28,8 +27,8 @@ import tempfile
 from typing import Any, Iterable, Sequence
 
 from benchmarks.workloads import (
-  VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, library_versions, prepared_workload,
-  versions_text,
+  VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
+  single_workload_parser, versions_text,
 )
 
 __all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
@@ -162,32 +161,18 @@ def markdown_report(result: dict) -> str:
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-  import jax
-
   by_name = {v.name: v for v in VARIANTS if v.framework == "jax" and v.impl != "dynamic"}
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
-  parser.add_argument("--model", required=True, choices=["bert", "llama"])
-  parser.add_argument("--batch", type=int, required=True)
-  parser.add_argument("--workload", required=True)
+  parser = single_workload_parser("python -m benchmarks.profile_step")
   parser.add_argument("--variants", nargs="+", choices=sorted(by_name),
                       default=["jax-dense", "jax-sebp-pallas", "jax-bound"])
   parser.add_argument("--steps", type=int, default=3, help="traced calls (distinct batches)")
-  parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
-  parser.add_argument("--out-dir", type=pathlib.Path, required=True)
   args = parser.parse_args(argv)
   if args.steps < 1:
     parser.error("--steps must be >= 1")
-  try:
-    spec, module, params, batches, active = prepared_workload(
-      args.model, args.workload, args.batch, Settings(warmup=1, steps=args.steps), tiny=args.tiny)
-  except ValueError as error:
-    parser.error(f"--{error}")
-  device = jax.devices()[0]
-  result = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
-            "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
-            "workload": args.workload, "active_fraction": active, "traced_calls": args.steps,
-            "versions": library_versions(), "variants": []}
-  stem = f"profile_{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
+  spec, module, params, batches, header, stem = prepared_workload(
+    parser, args, Settings(warmup=1, steps=args.steps))
+  result = {**header, "traced_calls": args.steps, "variants": []}
+  stem = f"profile_{stem}"
   args.out_dir.mkdir(parents=True, exist_ok=True)
   for name in args.variants:
     result["variants"].append(profile_variant(spec, by_name[name], params, module, batches))

@@ -439,31 +439,46 @@ def random_params(module, spec: ModelSpec, seed: int = 0):
   return make(keys)
 
 
-def prepared_workload(model: str, workload: str, batch: int, settings: Settings, *,
-                      tiny: bool = False) -> tuple[ModelSpec, Any, Any, list[Batch], float]:
-  """One workload of a model benchmark, ready to run: for the tools that study a single program.
+def single_workload_parser(prog: str) -> argparse.ArgumentParser:
+  """The arguments of the tools that study one workload's program (:mod:`benchmarks.profile_step`,
+  :mod:`benchmarks.bound_definitions`): ``--model``, ``--batch``, ``--workload``, ``--tiny``,
+  ``--out-dir``; each tool adds its own."""
+  parser = argparse.ArgumentParser(prog=prog)
+  parser.add_argument("--model", required=True, choices=["bert", "llama"])
+  parser.add_argument("--batch", type=int, required=True)
+  parser.add_argument("--workload", required=True)
+  parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
+  parser.add_argument("--out-dir", type=pathlib.Path, required=True)
+  return parser
 
-  Args:
-    model: the benchmark's module under ``benchmarks`` (``"bert"``, ``"llama"``).
-    workload: one of its workloads' names.
-    batch: sequences per batch.
-    settings: how many warm-up and timed batches to make.
-    tiny: the model's 1-layer configuration.
+
+def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      settings: Settings) -> tuple[ModelSpec, Any, Any, list[Batch], dict, str]:
+  """The workload named by :func:`single_workload_parser`'s ``args``, ready to run.
 
   Returns:
-    ``(spec, module, params, batches, active_fraction)``: random bfloat16 parameters and the
-    workload's batches on the default device, warm-up ones first.
+    ``(spec, module, params, batches, header, stem)``: random bfloat16 parameters; the
+    workload's ``settings.warmup + settings.steps`` batches on the default device, warm-up ones
+    first; the header of the tool's result (``benchmark``, ``gpu``, ``dtype``, ``seq_len``,
+    ``batch``, ``workload``, ``active_fraction``, ``versions``); and ``<model>[_tiny]_b<batch>_
+    <workload>``, to name its files. A ``--workload`` the model lacks is a parser error.
   """
   import jax
 
-  spec = importlib.import_module(f"benchmarks.{model}").build(tiny)
+  spec = importlib.import_module(f"benchmarks.{args.model}").build(args.tiny)
   by_name = {w.name: w for w in spec.workloads}
-  if workload not in by_name:
-    raise ValueError(f"workload: {workload!r} is not one of {sorted(by_name)}")
+  if args.workload not in by_name:
+    parser.error(f"--workload: {args.workload!r} is not one of {sorted(by_name)}")
   module = spec.jax_module()
-  host_batches, active = workload_batches(spec, by_name[workload], batch, settings, dynamic=False)
+  host_batches, active = workload_batches(spec, by_name[args.workload], args.batch, settings,
+                                          dynamic=False)
+  device = jax.devices()[0]
+  header = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
+            "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
+            "workload": args.workload, "active_fraction": active, "versions": library_versions()}
+  stem = f"{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
   return (spec, module, random_params(module, spec), [jax.device_put(b) for b in host_batches],
-          active)
+          header, stem)
 
 
 def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:

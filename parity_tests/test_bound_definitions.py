@@ -43,6 +43,10 @@ def _compiled_gradient(definition: str, use_bias: bool):
   return grad(params, x), grad.lower(params, x).compile().as_text()
 
 
+# The bound must still run the backward of everything that is not a linear layer, as SEBP does:
+# here sin's derivative, cos, whose result feeds only `up`'s (free) backward. Symbolic zero
+# cotangents ("no gradient") let JAX prune it, and XLA prunes it unless something uses `dy`: with
+# a bias its gradient does; without one (LLaMA) only jax-bound's read of `dy` can.
 @pytest.mark.parametrize("definition, use_bias, keeps_cosine", [
   ("jax-bound", True, True), ("jax-bound", False, True),
   ("zeros, dy unread", True, True), ("zeros, dy unread", False, False),
@@ -59,6 +63,20 @@ def test_definitions_zero_the_kernels_and_keep_or_drop_the_backward_between(
   assert ("cosine" in dense_hlo) and (("cosine" in hlo) == keeps_cosine)
   if use_bias and definition != "no gradient":  # the bias gradient, a row sum of dy, is exact
     np.testing.assert_allclose(grads["down"]["bias"], dense_grads["down"]["bias"], rtol=1e-5)
+
+
+def test_bound_stays_zero_when_dy_is_not_finite():
+  # jax-bound's sum of `dy` keeps it computed; an overflowing `dy` must not turn the zeros to NaN.
+  model, x = _SinBetweenLinears(False), jnp.ones((3, 9))
+  params = model.init(jax.random.key(0), x)
+
+  def free_loss(params, x):
+    with bound_definitions.DEFINITIONS["jax-bound"]():
+      return jnp.sum(model.apply(params, x)) * jnp.inf
+
+  grads = jax.jit(jax.grad(free_loss))(params, x)["params"]
+  for layer in ("up", "down"):
+    np.testing.assert_array_equal(grads[layer]["kernel"], 0.0)
 
 
 def test_hlo_instructions_counts_every_computations_instructions():
