@@ -44,7 +44,6 @@ def _unread_dy_backward(residuals, dy):
 
   x, kernel = residuals
   del dy  # nothing reads it: the zeros are compile-time constants
-
   return jnp.zeros(x.shape, x.dtype), jnp.zeros(kernel.shape, kernel.dtype)
 
 

@@ -79,7 +79,7 @@ __all__ = [
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text",
+  "versions_text", "single_workload_parser", "prepared_workload",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -465,6 +465,8 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
   """
   import jax
 
+  from benchmarks.timing import environment
+
   spec = importlib.import_module(f"benchmarks.{args.model}").build(args.tiny)
   by_name = {w.name: w for w in spec.workloads}
   if args.workload not in by_name:
@@ -472,8 +474,7 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
   module = spec.jax_module()
   host_batches, active = workload_batches(spec, by_name[args.workload], args.batch, settings,
                                           dynamic=False)
-  device = jax.devices()[0]
-  header = {"benchmark": spec.name, "gpu": getattr(device, "device_kind", str(device)),
+  header = {"benchmark": spec.name, "gpu": environment()["device"],
             "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
             "workload": args.workload, "active_fraction": active, "versions": library_versions()}
   stem = f"{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
