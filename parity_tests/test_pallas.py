@@ -64,8 +64,12 @@ SPLITS = [dict(dw_split=1), dict(dw_split=3), dict(dx_split=3, dx_split_rows=32)
           dict(dx_split=2, dx_split_rows=128)]
 
 
+def _split_id(split: dict) -> str:
+  return "-".join(map(str, split.values()))
+
+
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("split", SPLITS, ids=lambda split: "-".join(map(str, split.values())))
+@pytest.mark.parametrize("split", SPLITS, ids=_split_id)
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 32, 33, 75])
 def test_count_around_block_boundaries(interpret, split, count):
   rng = np.random.default_rng(count)
@@ -90,7 +94,7 @@ def test_partial_tiles(interpret, dtype, shape):
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("policy", [RowPolicy(threshold=0.01), RowPolicy(max_rows=20),
                                     RowPolicy(threshold=0.01, max_rows=5)])
-@pytest.mark.parametrize("split", SPLITS[::2], ids=lambda split: "-".join(map(str, split.values())))
+@pytest.mark.parametrize("split", SPLITS[::2], ids=_split_id)
 def test_dropped_rows_that_are_not_zero(interpret, policy, split):
   # Quiet rows (|dy| = 1e-3) are active for the exact policy but cut by these: the kernels must
   # mask them in dx and dw, including inside the last, partial row block (and in the split dX
