@@ -204,10 +204,9 @@ def _partition_kernel(keep_ref, perm_ref, count_ref, *, chunk: int):
   row = program * chunk + jnp.arange(chunk, dtype=jnp.int32)
   # Kept row -> slot kept-1; dropped row -> after every kept row, in row order.
   perm_ref[jnp.where(flags > 0, kept - 1, count + row - kept)] = row
-
-  @pl.when(program == 0)
-  def _():
-    count_ref[...] = jnp.broadcast_to(count, (1,))
+  # Every program stores the same total: no branch (a `pl.when` costs a conditional), no race
+  # that matters.
+  count_ref[...] = jnp.broadcast_to(count, (1,))
 
 
 def partition_pallas(keep: jax.Array, *, interpret: bool = False):
