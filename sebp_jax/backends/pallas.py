@@ -43,7 +43,7 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "backward", "partition_pallas", "gather_pallas",
+__all__ = ["BlockConfig", "block_config", "with_dw_split", "backward", "partition_pallas", "gather_pallas",
            "dx_pallas", "dw_pallas"]
 
 
@@ -141,11 +141,16 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
     dw_n=_fit(base.dw_n, out_features),
   )
+  return with_dw_split(config, in_features, out_features)
+
+
+def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
+  """``config`` with ``dw_split`` filling this GPU's SMs with dW programs (unchanged off GPU)."""
   sms = _sm_count()
-  if sms:
-    tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
-    config = dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
-  return config
+  if not sms:
+    return config
+  tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
+  return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
 
 
 def _round_up(value: int, multiple: int) -> int:
