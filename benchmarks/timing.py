@@ -47,14 +47,17 @@ def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
 
 
 def loop_time_ms(fn: Callable[..., Any], args: Sequence[Any], *, reps: int = 20,
-                 trials: int = 7, chained: int = 2) -> float:
+                 trials: int = 7, chained: int = 1) -> float:
   """Median device time of one ``fn(*args)`` call, in milliseconds: the slope between one jitted
   ``fori_loop`` run for ``reps`` and for ``2 * reps`` iterations.
 
   Each iteration adds zero times one element of ``fn``'s first result to element ``[0, 0]`` of
   ``args[chained]``, in place: the next call depends on this one (XLA can neither hoist ``fn`` out
-  of the loop nor run two calls at once), while the values, and so the kept rows, stay the same
-  and no full-array copy enters the timing. One program serves both trip counts.
+  of the loop nor run two calls at once), while the values, and so the kept rows, stay the same.
+  The default link is the weight (argument 1), not ``dy``: on an H100 XLA copied a ``dy`` updated
+  in place once per iteration when a Pallas kernel had read it (+0.065 ms at BERT's FFN,
+  results/layer_bert_h100_v5_first.json); a weight copy, where XLA makes one, is the smallest
+  operand's. One program serves both trip counts.
   """
   import jax.numpy as jnp
   from jax import lax
