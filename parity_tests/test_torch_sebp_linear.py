@@ -14,6 +14,7 @@ The interpreter must be switched on before Triton is first imported, so on CPU
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import subprocess
@@ -86,6 +87,32 @@ def make_output_grad(pattern: str, leading: tuple[int, ...], gen: torch.Generato
     return dy
 
 
+@functools.cache
+def cpu_bf16_gemm_spreads_nonfinite(rows: int, inner: int, cols: int) -> bool:
+    """Whether torch's own CPU bfloat16 GEMM puts NaN/Inf into rows of ``a @ b`` that have none.
+
+    A probe of the platform, not of this package: on CPUs with AMX-BF16 (torch 2.13), ``a (42,
+    29) @ b (29, 45)`` with an ``inf`` in row 1 of ``a`` and a ``nan`` in its last row comes out
+    NaN in row 0 too. The operands mirror the ``nonfinite`` pattern of :func:`make_output_grad`.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, inner, generator=gen).bfloat16()
+    a[1, 0], a[-1, min(3, inner - 1)] = math.inf, math.nan
+    product = a @ torch.randn(inner, cols, generator=gen).bfloat16()
+    clean_rows = [i for i in range(rows) if i not in (1, rows - 1)]
+    return not bool(torch.isfinite(product[clean_rows]).all())
+
+
+def _xfail_on_platform_defect(request, impl, pattern, dtype, device, rows) -> None:
+    """``impl="dense"`` is torch's own backward: where the probe shows the CPU GEMM defect, its
+    non-finite bfloat16 cases are expected to fail (and still run, so a fixed torch shows XPASS)."""
+    if (impl == "dense" and device == "cpu" and dtype == torch.bfloat16 and pattern == "nonfinite"
+            and cpu_bf16_gemm_spreads_nonfinite(rows, OUT_FEATURES, IN_FEATURES)):
+        request.applymarker(pytest.mark.xfail(
+            reason="torch's CPU bfloat16 GEMM on this CPU (AMX-BF16) spreads NaN/Inf across rows",
+            strict=False))
+
+
 def reference_grads(x, weight, bias, dy, keep):
     """float64 autograd of F.linear on the masked gradient; db from the unmasked one."""
     x64 = x.detach().double().requires_grad_()
@@ -139,8 +166,9 @@ IMPL_POLICIES = [
 @pytest.mark.parametrize("leading", LEADING_SHAPES, ids=str)
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("impl, policy", IMPL_POLICIES)
-def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device):
+def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device, request):
     _skip_unavailable(impl, device)
+    _xfail_on_platform_defect(request, impl, pattern, dtype, device, math.prod(leading))
     if INTERPRET and leading != LEADING_SHAPES[1] and not policy.is_exact:
         # Rank only changes the flattening done before any backend: the (slow) interpreter runs
         # every policy at rank 3 and every rank under the exact policy.
@@ -161,6 +189,23 @@ def test_no_bias_and_non_contiguous_inputs(dtype, impl, device):
     weight = torch.randn(IN_FEATURES, OUT_FEATURES, generator=gen).to(device, dtype).requires_grad_().t()
     assert not x.is_contiguous() and not weight.is_contiguous()
     run_and_compare(impl, device, dtype, RowPolicy(threshold=1e-3), dy, bias=False, x=x, weight=weight)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(42, 29, 45), (42, 80, 48)])
+def test_cpu_bf16_nonfinite_rows_stay_in_their_rows(rows, out_features, in_features):
+    """The reference's CPU path keeps an Inf/NaN of a dY row in that row of dX, whatever CPU GEMM
+    torch picks (shapes where torch's own bfloat16 GEMM on AMX-BF16 CPUs does not)."""
+    gen = _generator("amx", rows, out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(rows, out_features, generator=gen).bfloat16()
+    dy[1, 0], dy[rows - 1, 3] = math.inf, math.nan
+    dx, dw = torch.autograd.grad(sebp_linear(x, weight, impl="auto"), (x, weight), dy)
+    clean = [i for i in range(rows) if i not in (1, rows - 1)]
+    assert torch.isfinite(dx[clean]).all(), "a NaN/Inf of dY spread into other rows of dX"
+    want_dx, want_dw, _ = reference_grads(x, weight, None, dy, torch.ones(rows, dtype=torch.bool))
+    assert_grad_close(dx, want_dx, torch.bfloat16)
+    assert_grad_close(dw, want_dw, torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])

@@ -51,10 +51,24 @@ def _masked_grads(
     dy_kept = dy.index_select(0, kept)
     dx = dw = None
     if need_x:
-        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, dy_kept @ weight)
+        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, _matmul(dy_kept, weight))
     if need_w:
-        dw = dy_kept.t() @ x.index_select(0, kept)
+        dw = _matmul(dy_kept.t(), x.index_select(0, kept))
     return dx, dw
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated in float32 and rounded once to ``a``'s dtype.
+
+    On CPU, 16-bit operands are widened to float32 first: torch's own CPU bfloat16 GEMM on CPUs
+    with AMX-BF16 spreads a NaN/Inf of one row of ``a`` into other rows of the product (seen with
+    torch 2.13 on (42, 29) @ (29, 45)), which would put NaN into rows the contract keeps finite.
+    Products of 16-bit floats are exact in float32, so this is the contract's float32
+    accumulation. CUDA GEMMs accumulate 16-bit operands in float32 already.
+    """
+    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
 
 
 class _SEBPLinearFunction(torch.autograd.Function):
