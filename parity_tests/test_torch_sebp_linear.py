@@ -13,6 +13,7 @@ The interpreter must be switched on before Triton is first imported, so on CPU
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from sebp_torch_ref import RowPolicy, apply_sebp, sebp_linear
+from sebp_torch_ref import RowPolicy, apply_sebp, dense_backward, sebp_linear
 from sebp_torch_ref.policy import keep_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -247,6 +248,133 @@ def test_triton_selection_matches_policy(policy, rows, dtype, device):
     assert torch.equal(count.cpu(), want_count) and torch.equal(perm.cpu(), want_perm)
 
 
+class _HostReads:
+    """Records the calls that read a tensor on the host, made from ``sebp_torch_ref``'s code.
+
+    The methods are wrapped on the classes (torch function modes do not reach into the autograd
+    engine's backward calls). Only the package's own frames count: the Triton interpreter reads
+    tensors on the host by design (it runs the kernels there), which says nothing about CUDA.
+    """
+
+    READS = [
+        (torch.Tensor, name) for name in (
+            "item", "cpu", "tolist", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
+            "__float__", "__index__",
+        )
+    ] + [(torch, "nonzero"), (torch, "masked_select")]
+
+    def __init__(self, monkeypatch):
+        self.reads = []
+        for owner, name in self.READS:
+            monkeypatch.setattr(owner, name, self._recording(getattr(owner, name), name))
+
+    def _recording(self, method, name):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("sebp_torch_ref"):
+                self.reads.append(f"{caller}: {name}")
+            return method(*args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=7)], ids=str)
+def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
+    """The default CUDA path never waits for the device: no ``.item()``, ``.cpu()``, ``nonzero``,
+    no tensor turned into a Python value; on CUDA also under ``set_sync_debug_mode("error")``."""
+    _skip_unavailable("triton", device)
+    gen = _generator("host-reads", str(policy))
+    dy = make_output_grad("right_pad", (3, 13), gen).to(device)
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
+    sync_check = contextlib.nullcontext()
+    if device == "cuda":
+        # Compile the kernels first: loading them is the driver's business, not this check's.
+        torch.autograd.grad(sebp_linear(x, weight, bias, policy=policy, impl="triton"), (x, weight, bias), dy)
+        torch.cuda.synchronize()
+        sync_check = _sync_debug_mode("error")
+    host_reads = _HostReads(monkeypatch)
+    with sync_check:
+        y = sebp_linear(x, weight, bias, policy=policy, impl="triton")
+        grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    monkeypatch.undo()
+    assert host_reads.reads == []
+    expected = reference_grads(x.cpu(), weight.cpu(), bias, dy.cpu(), keep_mask(dy.reshape(-1, OUT_FEATURES).cpu(), policy))
+    for got, want in zip(grads, expected):
+        assert_grad_close(got.cpu(), want, torch.float32)
+
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_backward_replays_from_a_cuda_graph(dtype):
+    """The whole backward captured once, replayed on new gradients with other active rows."""
+    gen = _generator("graph", str(dtype))
+    x = torch.randn(4, 40, IN_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    bias = torch.randn(OUT_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    dy_in = torch.zeros(4, 40, OUT_FEATURES, device="cuda", dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # autograd runs each backward op on its forward op's stream
+        y = sebp_linear(x, weight, bias)
+        for _ in range(2):
+            torch.autograd.grad(y, (x, weight, bias), dy_in, retain_graph=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            grads = torch.autograd.grad(y, (x, weight, bias), dy_in, retain_graph=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for pattern in ("right_pad", "all_zero", "all_active", "nonfinite"):
+        dy = make_output_grad(pattern, (4, 40), _generator("graph", pattern))
+        dy_in.copy_(dy.to("cuda", dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = keep_mask(dy_in.reshape(-1, OUT_FEATURES).cpu(), RowPolicy())
+        expected = reference_grads(x.cpu(), weight.cpu(), bias, dy_in.cpu(), keep)
+        for got, want in zip(grads, expected):
+            assert_grad_close(got.cpu(), want, dtype)
+
+
+def test_dense_backward_is_chosen_per_forward():
+    gen = _generator("crossover")
+    dy = make_output_grad("right_pad", (4, 16), gen)
+    kept = int((dy.reshape(-1, OUT_FEATURES) != 0).any(1).sum())
+    x = torch.randn(4, 16, IN_FEATURES, generator=gen, requires_grad=True)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen, requires_grad=True)
+    per_product = 2 * OUT_FEATURES * IN_FEATURES
+    for dense, rows in [(True, 64), (False, kept)]:
+        with dense_backward(dense):
+            y = sebp_linear(x, weight, impl="torch")
+        with FlopCounterMode(display=False) as counter:  # the backward runs outside the block
+            y.backward(dy)
+        assert counter.get_total_flops() == rows * per_product * 2, dense
+    with pytest.raises(TypeError, match="`enabled`"):
+        with dense_backward(torch.tensor(True)):
+            pass
+
+
+def test_host_read_check_sees_the_torch_backend_read_count(monkeypatch):
+    """The check above can fail: the ``"torch"`` backend reads ``count`` with ``.item()``."""
+    host_reads = _HostReads(monkeypatch)
+    x = torch.randn(5, IN_FEATURES, requires_grad=True)
+    torch.autograd.grad(sebp_linear(x, torch.randn(OUT_FEATURES, IN_FEATURES), impl="torch"), x,
+                        torch.randn(5, OUT_FEATURES))
+    monkeypatch.undo()
+    assert host_reads.reads == ["sebp_torch_ref.function: item"]
+
+
 def test_flops_follow_kept_rows_and_skip_frozen_weight():
     gen = _generator("flops")
     dy = make_output_grad("right_pad", (4, 16), gen)
@@ -281,22 +409,30 @@ def test_autocast_bf16_matches_native_autocast():
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_of_surrounding_model(backend):
+@pytest.mark.parametrize(
+    "backend, device, impl",
+    [("aot_eager", "cpu", "torch"), ("inductor", "cpu", "torch"),
+     pytest.param("inductor", "cuda", "triton", marks=CUDA.marks)],
+)
+def test_torch_compile_of_surrounding_model(backend, device, impl):
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton kernels' cases")
     gen = _generator("compile", backend)
 
     model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, 31), torch.nn.GELU(), torch.nn.Linear(31, OUT_FEATURES)
     )
+    model = model.to(device)
     patched = copy.deepcopy(model)
-    assert apply_sebp(patched, impl="torch") == 2
+    assert apply_sebp(patched, impl=impl) == 2
     compiled = torch.compile(patched, backend=backend)
-    x = torch.randn(4, 10, IN_FEATURES, generator=gen)
-    mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None]
+    x = torch.randn(4, 10, IN_FEATURES, generator=gen).to(device)
+    mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None].to(device)
     for net in (model, compiled):
         ((net(x) * mask) ** 2).sum().backward()
+    tol = 1e-5 if device == "cpu" else 1e-4  # on CUDA the two sum in different orders
     for p, q in zip(model.parameters(), patched.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(
