@@ -211,12 +211,16 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
     if row["framework"] == "jax" and row["impl"] != "dynamic":
       assert row["compile_count"] == 1  # one compilation whatever the padding
     if row["framework"] == "torch":
-      assert row["impl"] in ("dense", "torch")
+      assert row["impl"] in ("dense", "torch", "bound")
+      assert row["bwd_spread"] is None or row["bwd_spread"] >= 0
 
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
-  variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp"}
-  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants)
+  variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
+              "torch-bound"}
+  # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
+  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
+                "torch-sebp-topn")
   _check_schema(result, variants, {4})
   dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
