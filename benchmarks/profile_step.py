@@ -34,15 +34,18 @@ from benchmarks.workloads import (
 __all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
-# `pallas_call` names (sebp_jax.backends.pallas); cuBLAS's Hopper kernels are "nvjet_*" or
-# "sm90_xmma_*"; cuDNN's fused attention kernels name cudnn or flash attention.
+# `pallas_call` names (sebp_jax.backends.pallas), the torch reference's Triton kernels their
+# function names (sebp_torch_ref.kernels); cuBLAS's Hopper kernels are "nvjet_*" or
+# "sm90_xmma_*"; cuDNN's and torch's fused attention kernels name cudnn, flash or fmha.
 _FAMILIES = (
-  ("SEBP dX", ("sebp_dx",)),
-  ("SEBP dW", ("sebp_dw",)),
-  ("SEBP partition", ("sebp_partition",)),
-  ("attention (cuDNN)", ("cudnn", "flash", "fmha")),
+  ("SEBP dX", ("sebp_dx", "_dx_kernel")),
+  ("SEBP dW", ("sebp_dw", "_dw_kernel", "_split_sum_kernel")),
+  ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
+  ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),
   ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
   ("copies", ("memcpy", "memset")),
+  # torch's own kernels (benchmarks.profile_torch); XLA's fusions never carry these names.
+  ("torch elementwise, reductions", ("elementwise", "reduce_kernel", "at::native")),
 )
 OTHER = "XLA fusions, other"
 _TOP = 15  # kernels listed by name per variant

@@ -85,7 +85,8 @@ __all__ = [
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text", "single_workload_parser", "prepared_workload",
+  "versions_text", "single_workload_parser", "prepared_workload", "TORCH_CROSSOVER",
+  "torch_variant_model", "torch_dense_steps",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -233,8 +234,9 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense", "torch", "dense"),
   Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
   Variant("torch-bound", "torch", "bound"),
-  Variant("torch-dense-compiled", "torch", "compiled"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
+  # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
+  Variant("torch-dense-compiled", "torch", "compiled"),
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.
@@ -635,7 +637,7 @@ def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict],
   return marks
 
 
-def _torch_model(spec: ModelSpec, variant: Variant, device: str):
+def torch_variant_model(spec: ModelSpec, variant: Variant, device: str):
   """The variant's torch model: Hugging Face in bfloat16, patched or compiled as it says."""
   import torch
 
@@ -661,6 +663,14 @@ def _torch_impl(variant: Variant, device: str) -> str:
   return "torch" if variant.impl == "triton" and device != "cuda" else variant.impl
 
 
+def torch_dense_steps(variant: Variant, batches: Sequence[Batch]) -> list[bool]:
+  """Per host batch, whether a torch SEBP variant runs that step's backward dense: more than
+  :data:`TORCH_CROSSOVER` of its tokens real. Decided from the host's copy of the batch, so the
+  crossover costs no device read."""
+  sebp = variant.impl == "triton"
+  return [sebp and float(b["attention_mask"].mean()) > TORCH_CROSSOVER for b in batches]
+
+
 def _spread(samples: Sequence[float]) -> float | None:
   median = _median(samples)
   return (max(samples) - min(samples)) / median if median > 0 else None
@@ -676,17 +686,15 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
   if variant.max_rows == "paper" and spec.paper_max_rows is None:
     return  # the paper states no fixed Top-N for this model
   torch.manual_seed(0)
-  model = _torch_model(spec, variant, device)
+  model = torch_variant_model(spec, variant, device)
   optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
   clock = _TorchClock(torch, device)
-  sebp = variant.impl == "triton"
   for batch_size in sorted(spec.batch_sizes):
     for workload in spec.workloads:
       batches, active = workload_batches(spec, workload, batch_size, settings, dynamic=False)
       row = Row(workload.name, workload.dataset, "torch", _torch_impl(variant, device),
                 variant.name, batch_size, spec.seq_len, active)
-      # Per step, from the host's copy of the batch: the crossover costs no device read.
-      dense_steps = [sebp and float(b["attention_mask"].mean()) > TORCH_CROSSOVER for b in batches]
+      dense_steps = torch_dense_steps(variant, batches)
       try:
         device_batches = [{k: torch.from_numpy(v).long().to(device) for k, v in b.items()}
                           for b in batches]

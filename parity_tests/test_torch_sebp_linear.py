@@ -227,6 +227,19 @@ def test_frozen_weight_and_input(impl, device):
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
+def test_triton_reads_wide_gradients_through_the_permutation(policy, pattern, device, monkeypatch):
+    """Gradients too wide to copy (an LM head's) are read in place through ``perm``."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    monkeypatch.setattr(kernels, "_MAX_COPIED_COLUMNS", OUT_FEATURES - 1)
+    dy = make_output_grad(pattern, (3, 13), _generator("wide", pattern, str(policy)))
+    run_and_compare("triton", device, torch.bfloat16, policy, dy)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [0, 1, 37, 613])
 @pytest.mark.parametrize("policy", POLICIES + [RowPolicy(max_rows=1000)], ids=str)

@@ -15,6 +15,7 @@ whole backward can be captured in a CUDA graph.
    order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers.
 3. **dX** ``(M, K) = dY (M, N) @ W (N, K)``: a grid over (column blocks of K, row blocks of the
    compacted prefix). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by ``W``
+   (read through ``perm`` instead where ``dY`` is too wide to copy: an LM head's vocabulary)
    and scatters the result to rows ``perm[...]`` of ``dX``; a block past ``count`` stores zeros to
    the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset, no atomics).
 4. **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: a grid over output tiles times
@@ -142,12 +143,14 @@ def _compact_kernel(
 
 @triton.jit
 def _dx_kernel(
-    dy_kept_ptr, w_ptr, perm_ptr, count_ptr, dx_ptr,
+    dy_ptr, w_ptr, perm_ptr, count_ptr, dx_ptr,
     M, N, K,
-    stride_wn, stride_wk, stride_dxm, stride_dxk,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """``GATHER_DY``: ``dy`` is the full gradient, read at rows ``perm[slot]``; otherwise it is
+    the compacted copy, read at row ``slot``."""
     # K blocks vary fastest so that programs sharing a block of dY rows run together.
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -158,10 +161,13 @@ def _dx_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if pid_m * BLOCK_M < count:
         kept = slots < count
-        dy_rows = dy_kept_ptr + slots[:, None].to(tl.int64) * N
+        if GATHER_DY:
+            dy_rows = dy_ptr + rows[:, None] * stride_dym
+        else:
+            dy_rows = dy_ptr + slots[:, None].to(tl.int64) * stride_dym
         for n0 in range(0, N, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            dy = tl.load(dy_rows + ns[None, :], mask=kept[:, None] & (ns[None, :] < N), other=0.0)
+            dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
             w = tl.load(
                 w_ptr + ns[:, None] * stride_wn + cols[None, :] * stride_wk,
                 mask=(ns[:, None] < N) & (cols[None, :] < K),
@@ -188,11 +194,12 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dw_kernel(
-    dy_kept_ptr, x_kept_ptr, count_ptr, out_ptr,
-    N, K, stride_split,
+    dy_ptr, x_kept_ptr, perm_ptr, count_ptr, out_ptr,
+    N, K, stride_dym, stride_dyn, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """``GATHER_DY`` as in ``_dx_kernel``; ``x_kept`` is always the compacted copy."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -208,8 +215,12 @@ def _dw_kernel(
         for m0 in range(start, end, BLOCK_M):
             slots = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
             kept = slots < end
+            if GATHER_DY:
+                dy_rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
+            else:
+                dy_rows = slots
             dy = tl.load(
-                dy_kept_ptr + slots[:, None] * N + ns[None, :],
+                dy_ptr + dy_rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
                 mask=kept[:, None] & (ns[None, :] < N),
                 other=0.0,
             )
@@ -375,71 +386,79 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
 
 
 def sebp_dx(
-    dy_kept: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, config: dict | None = None
+    dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *,
+    compacted: bool, config: dict | None = None,
 ) -> torch.Tensor:
     """``dX = (dY * keep[:, None]) @ W`` with dropped rows zero.
 
     Args:
-        dy_kept: ``(M, N)`` contiguous; its first ``count`` rows are the kept rows of ``dY`` in
-            ``perm`` order (the rest is never read).
-        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy_kept``.
+        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
+            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
+            kept rows in ``perm`` order; the rest is never read).
+        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``.
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
+        compacted: which of the two ``dy`` is.
         config: block sizes and launch options; ``None`` takes :func:`default_config`.
 
     Returns:
-        ``(M, K)`` in ``dy_kept``'s dtype.
+        ``(M, K)`` in ``dy``'s dtype.
     """
-    interpret = check_device(dy_kept, weight, perm, count)
-    M, N = dy_kept.shape
+    interpret = check_device(dy, weight, perm, count)
+    M, N = dy.shape
     K = weight.shape[1]
-    dx = torch.empty((M, K), dtype=dy_kept.dtype, device=dy_kept.device)
+    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
     if M == 0 or K == 0:
         return dx
-    cfg = config or default_config("dx", dy_kept.dtype, interpret, out_columns=K)
+    cfg = config or default_config("dx", dy.dtype, interpret, out_columns=K)
     grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _dx_kernel[grid](
-        dy_kept, weight, perm, count, dx,
+        dy, weight, perm, count, dx,
         M, N, K,
-        weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-        **_dot_options(dy_kept.dtype, interpret),
+        dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
+        GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret),
         **cfg,
     )
     return dx
 
 
 def sebp_dw(
-    dy_kept: torch.Tensor,
+    dy: torch.Tensor,
     x_kept: torch.Tensor,
+    perm: torch.Tensor,
     count: torch.Tensor,
     out_dtype: torch.dtype,
+    *,
+    compacted: bool,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``dW = dY_kept[:count]^T @ X_kept[:count]``: the sum over kept rows only.
+    """``dW = (dY * keep[:, None])^T @ X``: the sum over the kept rows only.
 
     Args:
-        dy_kept: ``(M, N)`` contiguous, kept rows first (as :func:`sebp_dx`).
-        x_kept: ``(M, K)`` contiguous, the same rows of the layer input in the same order.
+        dy: ``(M, N)`` output gradient or its compacted copy, as for :func:`sebp_dx`.
+        x_kept: ``(M, K)`` contiguous: the kept rows of the layer input first, in ``perm`` order.
+        perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
         out_dtype: dtype of the result (the weight's).
+        compacted: which of the two ``dy`` is.
         config: block sizes and launch options; ``None`` takes :func:`default_config`.
 
     Returns:
         ``(N, K)`` in ``out_dtype``.
     """
-    interpret = check_device(dy_kept, x_kept, count)
-    M, N = dy_kept.shape
+    interpret = check_device(dy, x_kept, perm, count)
+    M, N = dy.shape
     K = x_kept.shape[1]
-    dw = torch.empty((N, K), dtype=out_dtype, device=dy_kept.device)
+    dw = torch.empty((N, K), dtype=out_dtype, device=dy.device)
     if N == 0 or K == 0:
         return dw
-    cfg = config or default_config("dw", dy_kept.dtype, interpret)
+    cfg = config or default_config("dw", dy.dtype, interpret)
     tiles = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    split = _dw_split(tiles[0] * tiles[1], triton.cdiv(M, cfg["BLOCK_M"]), dy_kept.device, interpret)
+    split = _dw_split(tiles[0] * tiles[1], triton.cdiv(M, cfg["BLOCK_M"]), dy.device, interpret)
     out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dw.device)
     _dw_kernel[(*tiles, split)](
-        dy_kept, x_kept, count, out, N, K, N * K,
-        SPLIT=split, **_dot_options(dy_kept.dtype, interpret), **cfg,
+        dy, x_kept, perm, count, out, N, K, dy.stride(0), dy.stride(1), N * K,
+        SPLIT=split, GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret), **cfg,
     )
     if split > 1:
         block = 1024
@@ -447,6 +466,11 @@ def sebp_dw(
             out, count, dw, N * K, BLOCK_M=cfg["BLOCK_M"], SPLIT=split, BLOCK=block,
         )
     return dw
+
+
+# dY is copied to contiguous rows unless it is as wide as a vocabulary: an LM head's (M, 128k)
+# gradient would need a second buffer of the logits' size, for loads that gain little there.
+_MAX_COPIED_COLUMNS = 16384
 
 
 def sebp_grads(
@@ -471,14 +495,18 @@ def sebp_grads(
     """
     interpret = check_device(*(t for t in (dy, x, weight) if t is not None))
     M, N = dy.shape
+    if x is None and weight is None:  # only db: no rows to select
+        return None, None, None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
     if M == 0:
         dx = None if weight is None else dy.new_zeros(0, weight.shape[1])
         dw = None if x is None else torch.zeros((N, x.shape[1]), dtype=x.dtype, device=dy.device)
         db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
         return dx, dw, db
     keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
-    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, True, interpret)
-    dx = None if weight is None else sebp_dx(dy_kept, weight, perm, count)
-    dw = None if x is None else sebp_dw(dy_kept, x_kept, count, x.dtype)
+    compacted = N <= _MAX_COPIED_COLUMNS
+    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, compacted, interpret)
+    rows = dy_kept if compacted else dy
+    dx = None if weight is None else sebp_dx(rows, weight, perm, count, compacted=compacted)
+    dw = None if x is None else sebp_dw(rows, x_kept, perm, count, x.dtype, compacted=compacted)
     db = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dw, db
