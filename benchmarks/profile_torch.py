@@ -24,19 +24,16 @@ import collections
 import importlib
 import json
 import pathlib
-import statistics
 import time
 from typing import Sequence
 
-from benchmarks.profile_step import kernel_family, markdown_report
+from benchmarks.profile_step import markdown_report, variant_entry
 from benchmarks.workloads import (
   VARIANTS, Settings, Variant, library_versions, torch_dense_steps, torch_variant_model,
   workload_batches,
 )
 
 __all__ = ["profile_variant"]
-
-_TOP = 15  # kernels listed by name per variant
 
 
 def _kernel_times(events, calls: int) -> dict[str, tuple[float, float]]:
@@ -93,20 +90,9 @@ def profile_variant(spec, variant: Variant, batches: Sequence[dict], dense_steps
   kernels = _kernel_times(prof.events(), len(timed))
   if not kernels:
     raise RuntimeError(f"{variant.name}: the profile has no CUDA kernel events")
-  families: dict[str, float] = collections.defaultdict(float)
-  for name, (ms, _) in kernels.items():
-    families[kernel_family(name)] += ms
-  ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   del model
   torch.cuda.empty_cache()
-  return {
-    "variant": variant.name,
-    "wall_ms": statistics.median(walls),
-    "busy_ms": sum(ms for ms, _ in kernels.values()),
-    "launches": sum(n for _, n in kernels.values()),
-    "families": dict(sorted(families.items(), key=lambda item: -item[1])),
-    "kernels": [[name, kernel_family(name), ms, n] for name, (ms, n) in ranked[:_TOP]],
-  }
+  return variant_entry(variant.name, walls, kernels)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
