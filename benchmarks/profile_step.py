@@ -41,6 +41,7 @@ _FAMILIES = (
   ("SEBP dX", ("sebp_dx", "_dx_kernel")),
   ("SEBP dW", ("sebp_dw", "_dw_kernel", "_split_sum_kernel")),
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
+  ("SEBP gather", ("sebp_gather", "_gather_kernel")),
   ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),
   ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
   ("copies", ("memcpy", "memset")),
