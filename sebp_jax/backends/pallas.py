@@ -81,7 +81,7 @@ class BlockConfig:
 
 
 # Measured tile choices, keyed by (GPU generation, dtype width in bytes, shape class). Tuned with
-# benchmarks/tune_blocks.py on an H100 (results/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
+# benchmarks/tune_blocks.py on an H100 (results/v5_h100/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
 # "wide": weights of at least _WIDE_WEIGHT entries (LLaMA-3B's 3072 x 8192 MLP), where 128 x 256
 # tiles in both GEMMs run 1.25x (23 % kept rows) to 1.44x (all rows) faster than the default;
 # BERT-base's 768 x 3072 layers are faster on the default's smaller tiles below ~20 % kept rows.
