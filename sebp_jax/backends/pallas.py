@@ -82,9 +82,12 @@ class BlockConfig:
 
 # Measured tile choices, keyed by (GPU generation, dtype width in bytes, shape class). Tuned with
 # benchmarks/tune_blocks.py on an H100 (results/v5_h100/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
-# "wide": weights of at least _WIDE_WEIGHT entries (LLaMA-3B's 3072 x 8192 MLP), where 128 x 256
-# tiles in both GEMMs run 1.25x (23 % kept rows) to 1.44x (all rows) faster than the default;
-# BERT-base's 768 x 3072 layers are faster on the default's smaller tiles below ~20 % kept rows.
+# "wide": at least _WIDE_ROWS rows and a weight of at least _WIDE_WEIGHT entries (LLaMA-3B's
+# 3072 x 8192 MLP at batch 8), where 128 x 256 tiles in both GEMMs run 1.25x (23 % kept rows) to
+# 1.44x (all rows) faster than the default. With fewer rows the kept ones are few (LLaMA at batch
+# 1: ~80 of 4096), and the wide dX tiles leave most SMs idle: the model step was 11 % slower
+# with them than with the default tiles (results/v5_h100/llama_b1_v4_vs_v5.md). BERT-base's
+# 768 x 3072 layers are faster on the default tiles below ~20 % kept rows.
 _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
@@ -93,6 +96,7 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 4, "wide"): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
 }
 _WIDE_WEIGHT = 3072 * 3072
+_WIDE_ROWS = 16384
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
@@ -141,7 +145,8 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
   A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
   132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
   """
-  shape_class = "wide" if in_features * out_features >= _WIDE_WEIGHT else "narrow"
+  wide = num_rows >= _WIDE_ROWS and in_features * out_features >= _WIDE_WEIGHT
+  shape_class = "wide" if wide else "narrow"
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
                           _DEFAULT_CONFIG)
   config = dataclasses.replace(
