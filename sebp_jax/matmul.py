@@ -19,6 +19,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from sebp_jax.backends import xla as xla_backend
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import RowSharding, current_row_sharding, per_shard_backward
 
 __all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
 
@@ -86,12 +87,13 @@ def _forward(x, kernel, precision):
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, x, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, rows: RowSharding | None,
+                  x, kernel):
   return _forward(x, kernel, precision)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, x, kernel):
+def _sebp_product_fwd(policy, impl, crossover, precision, rows, x, kernel):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision)
@@ -100,16 +102,13 @@ def _sebp_product_fwd(policy, impl, crossover, precision, x, kernel):
   return y, (saved_x, saved_kernel)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, residuals, dy):
+def _sebp_product_bwd(policy, impl, crossover, precision, rows, residuals, dy):
   saved_x, saved_kernel = residuals
   if isinstance(dy, SymbolicZero):
     return None, None
-  x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
-  dy2d = dy.reshape(-1, dy.shape[-1])
-  dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
-                                       precision=precision)
-  dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
-  return dx, dw
+  # Each device runs the backend on its own rows (sebp_jax.sharding).
+  backend = functools.partial(_backend(impl, crossover), policy=policy, precision=precision)
+  return per_shard_backward(backend, saved_x, saved_kernel, dy, rows)
 
 
 _sebp_product.defvjp(_sebp_product_fwd, _sebp_product_bwd, symbolic_zeros=True)
@@ -170,7 +169,8 @@ def sebp_matmul(
   if impl == "dense":
     y = _forward(x, kernel, precision)
   else:
-    y = _sebp_product(policy, impl, crossover, precision, x, kernel)
+    # The sebp_jax.sharded_rows in effect now, when the forward is traced.
+    y = _sebp_product(policy, impl, crossover, precision, current_row_sharding(), x, kernel)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
