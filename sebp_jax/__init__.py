@@ -9,5 +9,7 @@ from sebp_jax.batch_crossover import sebp_value_and_grad
 from sebp_jax.linen import SEBPDense, swap_dense
 from sebp_jax.matmul import sebp_matmul
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import sharded_rows
 
-__all__ = ["RowPolicy", "sebp_matmul", "SEBPDense", "swap_dense", "sebp_value_and_grad"]
+__all__ = ["RowPolicy", "sebp_matmul", "SEBPDense", "swap_dense", "sebp_value_and_grad",
+           "sharded_rows"]

@@ -1,0 +1,60 @@
+"""SEBP on 4 devices against single-device dense autodiff, and its compiled collectives against the
+dense program's: data parallel, FSDP and 2-D meshes under automatic sharding (with
+:func:`sebp_jax.sharded_rows`), an explicit-sharding mesh, and ``jax.shard_map``.
+
+The checks run in one subprocess per backend with 4 forced host devices
+(:mod:`parity_tests.multi_device_checks`), so the rest of the suite keeps its single device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked")
+# The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
+# shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
+# under check_vma=True is checked by `pallas_traces_in_shard_map`.
+CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors"),
+                 "interpret": CASES + ("pallas_traces_in_shard_map",)}
+
+
+@functools.cache
+def _results(impl: str) -> dict[str, dict]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+  done = subprocess.run([sys.executable, "-m", "parity_tests.multi_device_checks", impl,
+                         *CASES_BY_IMPL[impl]], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+  return {line["case"]: line for line in lines}
+
+
+@pytest.mark.parametrize("impl,case", [(impl, case) for impl, cases in CASES_BY_IMPL.items()
+                                       for case in cases if case in CASES + ("shard_map",)])
+def test_gradients_and_collectives_match_dense(impl, case):
+  result = _results(impl)[case]
+  assert result["error_over_tolerance"] <= 1.0, result
+  # SEBP adds no collective: the same all-reduces (or reduce-scatters) of dW as dense.
+  assert result["sebp"] == result["dense"], result
+  assert sum(result["dense"].values()) > 0, "the dense program has no collective at all"
+
+
+def test_pallas_kernels_trace_inside_checked_shard_map():
+  # Partition, dX and dW kernels of the second layer, partition and dW of the first.
+  assert _results("interpret")["pallas_traces_in_shard_map"]["pallas_calls"] == 5
+
+
+def test_unfollowable_sharding_is_an_error_naming_the_fix():
+  messages = _results("xla")["errors"]["messages"]
+  assert "sharded_rows" in messages["auto_without_rows"]
+  assert "'model'" in messages["tensor_parallel"]
+  assert "where=" in messages["tensor_parallel"]
