@@ -1,23 +1,25 @@
-"""The multi-device checks of ``test_multi_device.py``, run in a process of 4 host devices.
+"""The multi-device checks of ``test_multi_device.py``, run in a process of their own.
 
-``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX initialises, so
-this file is run by ``test_multi_device.py`` as ``python -m parity_tests.multi_device_checks
-IMPL CASE`` (one subprocess per impl, the rest of the suite keeping its single device), and
-prints one JSON line per case: the largest gradient error against single-device dense autodiff,
-and the collectives of the compiled SEBP and dense programs.
+``python -m parity_tests.multi_device_checks [--host-devices N] IMPL CASE...`` prints one JSON
+line per case: the gradient error against single-device dense autodiff (over the float32
+tolerance) and the collectives of the compiled SEBP and dense programs. ``--host-devices 4``
+runs on 4 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``, which must be set
+before JAX initialises: hence a process of its own, the rest of the suite keeping one device);
+without it, on the devices there are (``pallas`` on a machine with 2 GPUs or more).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if sys.argv[1:2] == ["--host-devices"]:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={sys.argv[2]}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  del sys.argv[1:3]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -82,10 +84,12 @@ def main(impl: str, cases: list[str]) -> None:
   sebp_mm = lambda a, w: sebp_matmul(a, w, impl=impl)  # noqa: E731
   reference = jax.grad(_loss(dense_mm))(params, x)  # one device, dense autodiff
 
+  n = jax.device_count()
+  two_d = (2, n // 2) if n >= 4 else (1, n)  # (data, fsdp)
   auto = dict(
-    data_parallel=((4,), ("data",), P("data"), P(), "data"),
-    fsdp=((4,), ("fsdp",), P("fsdp"), P("fsdp"), "fsdp"),
-    data_fsdp=((2, 2), ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
+    data_parallel=((n,), ("data",), P("data"), P(), "data"),
+    fsdp=((n,), ("fsdp",), P("fsdp"), P("fsdp"), "fsdp"),
+    data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
   )
   for case in cases:
     if case in auto:
@@ -103,14 +107,14 @@ def main(impl: str, cases: list[str]) -> None:
                out_shardings=(w_sharding,) * 2)
     elif case == "explicit":
       # Batch over both axes, weights stored FSDP-sharded and gathered before use.
-      mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+      mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
       with jax.set_mesh(mesh):
         xs = reshard(x, P(("data", "fsdp")))
         ws = tuple(reshard(w, P("fsdp")) for w in params)
         gather = lambda w: reshard(w, P())  # noqa: E731
         _check(case, impl, _loss(sebp_mm, gather), _loss(dense_mm, gather), ws, xs, reference)
     elif case in ("shard_map", "shard_map_unchecked"):
-      mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
       check_vma = case == "shard_map"
 
       def per_device(matmul):
@@ -132,22 +136,24 @@ def main(impl: str, cases: list[str]) -> None:
                reference)
     elif case == "pallas_traces_in_shard_map":
       # The GPU kernels inside shard_map(check_vma=True): traced only (CPU cannot lower them).
-      mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
       pallas_mm = lambda a, w: sebp_matmul(a, w, impl="pallas")  # noqa: E731
       loss = jax.shard_map(lambda p, x: jax.lax.psum(_loss(pallas_mm)(p, x), "data"), mesh=mesh,
                            in_specs=(P(), P("data")), out_specs=P(), check_vma=True)
       with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params, reshard(x, P("data")))
       print(json.dumps({"case": case, "pallas_calls": str(jaxpr).count("pallas_call")}))
+    elif case == "finetune":
+      _finetune_losses()
     elif case == "errors":
       messages = {}
-      mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
       with jax.set_mesh(mesh):  # an automatic mesh, no sharded_rows: the rows cannot be seen
         try:
           jax.jit(jax.grad(_loss(sebp_mm)))(params, x)
         except ValueError as e:
           messages["auto_without_rows"] = str(e)
-      mesh = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Explicit,))
+      mesh = jax.make_mesh((n,), ("model",), axis_types=(AxisType.Explicit,))
       with jax.set_mesh(mesh):  # output features split over "model": tensor parallel
         w = reshard(params[0], P(None, "model"))
         try:
@@ -157,6 +163,31 @@ def main(impl: str, cases: list[str]) -> None:
       print(json.dumps({"case": case, "impl": impl, "messages": messages}))
     else:
       raise SystemExit(f"unknown case {case!r}")
+
+
+def _finetune_losses() -> None:
+  """``sebp finetune``'s SEBP training losses (tiny BERT) on 1 device and on 4, data parallel and
+  FSDP, and the mesh each report names."""
+  import tempfile
+
+  from parity_tests import test_cli
+  from sebp_jax import finetune
+
+  finetune.MODELS["tiny-bert"] = test_cli.TINY_BERT
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, devices, fsdp in (("one", 1, False), ("data_parallel", 4, False),
+                                ("fsdp", 4, True)):
+      config = test_cli._tiny_config(devices=devices, fsdp=fsdp, compare=False,
+                                     analysis_batches=0, timing_batches=1)
+      summary = finetune.finetune(config, f"{tmp}/{name}", log=lambda _: None)
+      report = open(summary["report"]).read()
+      losses = [json.loads(line)["loss"] for line in open(f"{tmp}/{name}/metrics.jsonl")
+                if '"loss"' in line]
+      runs[name] = {"losses": losses, "mesh": summary["mesh"],
+                    "report_names_mesh": summary["mesh"] in report
+                    and summary["mesh"] in summary["summary_text"]}
+  print(json.dumps({"case": "finetune", "runs": runs}), flush=True)
 
 
 if __name__ == "__main__":

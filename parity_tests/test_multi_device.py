@@ -22,30 +22,47 @@ CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked"
 # The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.
-CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors"),
-                 "interpret": CASES + ("pallas_traces_in_shard_map",)}
+CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors", "finetune"),
+                 "interpret": CASES + ("pallas_traces_in_shard_map",),
+                 "pallas": CASES + ("shard_map",)}
 
 
 @functools.cache
 def _results(impl: str) -> dict[str, dict]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  """The checks' JSON lines by case: on 4 CPU devices, or (``pallas``) on this machine's GPUs."""
+  env = dict(os.environ,
              PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-  done = subprocess.run([sys.executable, "-m", "parity_tests.multi_device_checks", impl,
-                         *CASES_BY_IMPL[impl]], cwd=REPO, env=env, capture_output=True,
+  devices = [] if impl == "pallas" else ["--host-devices", "4"]
+  done = subprocess.run([sys.executable, "-m", "parity_tests.multi_device_checks", *devices,
+                         impl, *CASES_BY_IMPL[impl]], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
   return {line["case"]: line for line in lines}
 
 
-@pytest.mark.parametrize("impl,case", [(impl, case) for impl, cases in CASES_BY_IMPL.items()
-                                       for case in cases if case in CASES + ("shard_map",)])
-def test_gradients_and_collectives_match_dense(impl, case):
-  result = _results(impl)[case]
+def _check_gradients_and_collectives(result: dict) -> None:
   assert result["error_over_tolerance"] <= 1.0, result
   # SEBP adds no collective: the same all-reduces (or reduce-scatters) of dW as dense.
   assert result["sebp"] == result["dense"], result
   assert sum(result["dense"].values()) > 0, "the dense program has no collective at all"
+
+
+@pytest.mark.parametrize("impl,case", [(impl, case) for impl in ("xla", "interpret")
+                                       for case in CASES_BY_IMPL[impl]
+                                       if case in CASES + ("shard_map",)])
+def test_gradients_and_collectives_match_dense(impl, case):
+  _check_gradients_and_collectives(_results(impl)[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES_BY_IMPL["pallas"])
+def test_pallas_gradients_and_collectives_match_dense_on_gpus(case):
+  import jax
+
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 GPUs or more")
+  _check_gradients_and_collectives(_results("pallas")[case])
 
 
 def test_pallas_kernels_trace_inside_checked_shard_map():
@@ -58,3 +75,15 @@ def test_unfollowable_sharding_is_an_error_naming_the_fix():
   assert "sharded_rows" in messages["auto_without_rows"]
   assert "'model'" in messages["tensor_parallel"]
   assert "where=" in messages["tensor_parallel"]
+
+
+def test_finetune_trains_the_same_on_four_devices():
+  runs = _results("xla")["finetune"]["runs"]
+  one = runs["one"]["losses"]
+  for name in ("data_parallel", "fsdp"):
+    # The same batches, split over 4 devices: the same losses up to float32 summation order.
+    assert len(runs[name]["losses"]) == len(one) == 3
+    for a, b in zip(runs[name]["losses"], one):
+      assert abs(a - b) <= 1e-5 * abs(b), (name, runs[name]["losses"], one)
+    assert runs[name]["report_names_mesh"], runs[name]
+  assert runs["fsdp"]["mesh"].startswith("mesh data=4, FSDP")

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-__all__ = ["RowSharding", "sharded_rows", "current_row_sharding", "per_shard_backward"]
+__all__ = ["RowSharding", "sharded_rows", "current_row_sharding", "per_shard_backward",
+           "fsdp_spec"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
@@ -113,6 +114,22 @@ def sharded_rows(axes: str | tuple[str, ...], *, mesh: Mesh | None = None) -> It
 def current_row_sharding() -> RowSharding | None:
   """The :func:`sharded_rows` in effect, or ``None``."""
   return _CURRENT.get()
+
+
+def fsdp_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> P:
+  """The ``PartitionSpec`` that shards an array of ``shape`` FSDP-style over the mesh ``axis``:
+  along its largest dim that ``axis_size`` divides (the first such among equals), or replicated
+  where none does (scalars, odd sizes).
+
+  >>> fsdp_spec((768, 3072), "data", 2)
+  PartitionSpec(None, 'data')
+  >>> fsdp_spec((3,), "data", 2)
+  PartitionSpec()
+  """
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if shape[dim] % axis_size == 0:
+      return P(*(None,) * dim, axis)
+  return P()
 
 
 Backward = Callable[..., tuple]  # (x2d | None, kernel | None, dy2d) -> (dx2d | None, dw | None)
