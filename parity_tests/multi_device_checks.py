@@ -62,6 +62,15 @@ def _loss(matmul, gather=lambda w: w):
   return loss
 
 
+def _error_over_tolerance(grads, reference) -> float:
+  """The largest ``|error| / (atol + rtol |reference|)`` over the gradient trees: <= 1 is
+  within the float32 tolerance."""
+  tol = tolerance(jnp.float32)
+  return max(float(np.max(np.abs(np.asarray(g) - np.asarray(r))
+                          / (tol.atol + tol.rtol * np.abs(np.asarray(r)))))
+             for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+
+
 def _check(name, impl, sebp_loss, dense_loss, params, x, reference, **jit_kwargs):
   results = {}
   for variant, loss in (("sebp", sebp_loss), ("dense", dense_loss)):
@@ -69,12 +78,8 @@ def _check(name, impl, sebp_loss, dense_loss, params, x, reference, **jit_kwargs
     results[variant] = collectives(step.lower(params, x).compile().as_text())
     if variant == "sebp":
       grads = step(params, x)
-  tol = tolerance(jnp.float32)
-  # The largest |error| / (atol + rtol |reference|): <= 1 is within the float32 tolerance.
-  error = max(float(np.max(np.abs(np.asarray(g) - np.asarray(r))
-                           / (tol.atol + tol.rtol * np.abs(np.asarray(r)))))
-              for g, r in zip(grads, reference))
-  print(json.dumps({"case": name, "impl": impl, "error_over_tolerance": error, **results}),
+  print(json.dumps({"case": name, "impl": impl,
+                    "error_over_tolerance": _error_over_tolerance(grads, reference), **results}),
         flush=True)
 
 
@@ -143,6 +148,8 @@ def main(impl: str, cases: list[str]) -> None:
       with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params, reshard(x, P("data")))
       print(json.dumps({"case": case, "pallas_calls": str(jaxpr).count("pallas_call")}))
+    elif case.startswith("value_and_grad_"):
+      _value_and_grad(case, impl, auto[case.removeprefix("value_and_grad_")], params, x)
     elif case == "finetune":
       _finetune_losses()
     elif case == "errors":
@@ -163,6 +170,35 @@ def main(impl: str, cases: list[str]) -> None:
       print(json.dumps({"case": case, "impl": impl, "messages": messages}))
     else:
       raise SystemExit(f"unknown case {case!r}")
+
+
+def _value_and_grad(case, impl, layout, params, x) -> None:
+  """:func:`sebp_jax.sebp_value_and_grad` of a flax MLP (its sparse branch taken) under a
+  sharded jit, against single-device dense autodiff."""
+  import flax.linen as nn
+
+  from sebp_jax import sebp_value_and_grad
+
+  shape, names, x_spec, w_spec, axes = layout
+  model = nn.Sequential([nn.Dense(H), nn.tanh, nn.Dense(K)])
+  variables = model.init(jax.random.key(1), x)
+  real = (jnp.arange(T) < REAL)[None, :, None]
+  loss = lambda v, x: jnp.sum(jnp.where(real, model.apply(v, x), 0.0) ** 2)  # noqa: E731
+  fraction = lambda v, x: jnp.float32(REAL / T)  # noqa: E731
+  _, reference = jax.value_and_grad(loss)(variables, x)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+  def sebp(v, x):
+    with sharded_rows(axes):
+      return sebp_value_and_grad(loss, fraction, crossover=0.9, impl=impl)(v, x)
+
+  place = lambda v: jax.tree.map(  # noqa: E731
+    lambda leaf: NamedSharding(mesh, w_spec if leaf.ndim == 2 else P()), v)
+  with jax.set_mesh(mesh):
+    _, grads = jax.jit(sebp, in_shardings=(place(variables), NamedSharding(mesh, x_spec)))(
+      variables, x)
+  print(json.dumps({"case": case, "impl": impl,
+                    "error_over_tolerance": _error_over_tolerance(grads, reference)}), flush=True)
 
 
 def _finetune_losses() -> None:

@@ -22,7 +22,8 @@ CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked"
 # The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.
-CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors", "finetune"),
+CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors", "finetune", "value_and_grad_data_parallel",
+                                  "value_and_grad_fsdp"),
                  "interpret": CASES + ("pallas_traces_in_shard_map",),
                  "pallas": CASES + ("shard_map",)}
 
@@ -75,6 +76,13 @@ def test_unfollowable_sharding_is_an_error_naming_the_fix():
   assert "sharded_rows" in messages["auto_without_rows"]
   assert "'model'" in messages["tensor_parallel"]
   assert "where=" in messages["tensor_parallel"]
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+def test_sebp_value_and_grad_under_sharding(layout):
+  # A flax MLP through sebp_value_and_grad (its sparse branch) inside sharded_rows.
+  result = _results("xla")[f"value_and_grad_{layout}"]
+  assert result["error_over_tolerance"] <= 1.0, result
 
 
 def test_finetune_trains_the_same_on_four_devices():
