@@ -4,11 +4,12 @@ A Pallas kernel is an opaque custom call to XLA's SPMD partitioner, and the XLA 
 selection (a ``cumsum`` over all rows) becomes serial loops when partitioned: left to ``jit``,
 both would see every row of a row-sharded operand, XLA all-gathering them to each device. So the
 SEBP backward runs inside a ``jax.shard_map`` over the mesh axes that shard the rows: the
-selection, both products and ``dX`` stay on each device's own rows, and ``dW``'s per-device
-partial sums are added with one ``psum`` over those axes -- what the dense backward does, since
-JAX transposes the broadcast of a replicated weight into the same ``psum``. XLA then turns that
-all-reduce into whatever the weight's sharding needs (a reduce-scatter for FSDP on GPU), exactly as
-for the dense program, so SEBP adds no collective that dense does not have.
+selection, both products and ``dX`` stay on each device's own rows. ``dW``'s per-device partial
+sums are reduced as the dense backward reduces its own: under automatic sharding they leave the
+shard_map stacked and XLA's partitioner reduces them as dense's ``Xᵀ dY`` (:func:`_sum_partials`:
+an all-reduce for replicated weights, a reduce-scatter for FSDP ones); under explicit sharding and
+inside a user's ``shard_map`` with a ``psum``, the reduction that JAX's transpose of the dense
+product's kernel broadcast gives. SEBP adds no collective that dense does not have.
 
 Where the rows' sharding comes from:
 
@@ -210,7 +211,7 @@ def _check_divisible(dim: int, axes: tuple[str, ...], mesh) -> None:
                      f"axes {axes} ({shards} shards); pad the batch to a multiple of {shards}.")
 
 
-def _sum_partials(partials, row_axes: tuple[str, ...]):
+def _sum_partials(partials):
   """The sum of the per-device partial ``dW``s, stacked along a leading dim sharded over
   ``row_axes``, as a dot with a vector of ones: its contracting dim is sharded like that of the
   dense ``dW = Xᵀ dY``, so XLA's SPMD partitioner reduces it the same way (an all-reduce for a
@@ -280,4 +281,4 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
     # Unchecked: the Pallas interpreter cannot run kernels with loops on varying values (jax
     # 0.10); the reductions are explicit above.
     axis_names=set(row_axes) | set(k_axes), check_vma=False)(present)
-  return dx, (_sum_partials(dw, row_axes) if partial else dw)
+  return dx, (_sum_partials(dw) if partial else dw)
