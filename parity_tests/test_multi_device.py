@@ -94,3 +94,25 @@ def test_finetune_trains_the_same_on_four_devices():
       assert abs(a - b) <= 1e-5 * abs(b), (name, runs[name]["losses"], one)
     assert runs[name]["report_names_mesh"], runs[name]
   assert runs["fsdp"]["mesh"].startswith("mesh data=4, FSDP")
+
+
+def test_benchmark_summary_from_rows(tmp_path):
+  from benchmarks import multi_device
+
+  def row(devices, variant, bwd_ms, step_ms):
+    return dict(model="bert", parallelism="data parallel", devices=devices, per_device_batch=4,
+                workload="trec", active_fraction=0.2, variant=variant, fwd_ms=1.0, bwd_ms=bwd_ms,
+                step_ms=step_ms, sequences_per_s=4 * devices / step_ms * 1e3, compile_s=1.0,
+                error=None)
+
+  rows = [row(1, "dense", 4.0, 10.0), row(1, "sebp", 2.0, 8.0),
+          row(2, "dense", 4.4, 11.0), row(2, "sebp", 2.4, 9.0)]
+  result = {"gpu": "test card", "warmup": 1, "steps": 3, "note": "", "rows": rows,
+            "versions": {"jax": "0"}}
+  paths = multi_device.write(tmp_path, "md", result)
+  (summary,) = result["summary"]
+  assert summary["bwd_speedup_1"] == 2.0 and abs(summary["bwd_speedup_n"] - 4.4 / 2.4) < 1e-12
+  assert abs(summary["speedup_kept"] - (4.4 / 2.4) / 2.0) < 1e-12
+  assert abs(summary["sebp_scaling"] - 2 * 8.0 / 9.0) < 1e-12
+  assert [p.suffix for p in paths] == [".json", ".md", ".png"]
+  assert "test card" in paths[1].read_text()

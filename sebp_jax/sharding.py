@@ -122,10 +122,10 @@ def fsdp_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> P:
   along its largest dim that ``axis_size`` divides (the first such among equals), or replicated
   where none does (scalars, odd sizes).
 
-  >>> fsdp_spec((768, 3072), "data", 2)
-  PartitionSpec(None, 'data')
-  >>> fsdp_spec((3,), "data", 2)
-  PartitionSpec()
+  >>> tuple(fsdp_spec((768, 3072), "data", 2))
+  (None, 'data')
+  >>> tuple(fsdp_spec((3,), "data", 2))
+  ()
   """
   for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
     if shape[dim] % axis_size == 0:
