@@ -469,7 +469,9 @@ class _Placement:
     return jax.device_put(batch, NamedSharding(self.mesh, P("data")))
 
   def rows(self) -> contextlib.AbstractContextManager:
-    """The SEBP layers' row sharding: the batch dim over ``"data"``."""
+    """The SEBP layers' row sharding: the batch dim over ``"data"`` (on one device, none)."""
+    if self.devices == 1:
+      return contextlib.nullcontext()
     return sharded_rows("data", mesh=self.mesh)
 
 
