@@ -222,13 +222,15 @@ def _sum_partials(partials):
                          preferred_element_type=partials.dtype)
 
 
-def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | None):
+def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | None, *,
+                       planned: bool = False):
   """The SEBP backward ``(dx, dw)`` of ``x @ kernel`` with each device on its own rows.
 
   Args:
     backward: the backend on 2-D operands, ``(x2d, kernel, dy2d) -> (dx2d, dw)``.
     x: ``(..., K)`` or ``None``; kernel: ``(K, N)`` or ``None``; dy: ``(..., N)``.
     rows: the :func:`sharded_rows` in effect when the forward was traced.
+    planned: ``backward`` uses a :class:`sebp_jax.RowPlan`, whose permutation is over all rows.
 
   Returns:
     ``(dx, dw)`` as the dense backward returns them: ``dx`` sharded as ``x``, ``dw`` summed over
@@ -260,6 +262,11 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
   row_axes = tuple(a for entry in row_entries for a in _spec_axes(entry))
   if not row_axes and not k_axes:
     return _local_backward(backward, x, kernel, dy)
+  if planned and row_axes:
+    raise ValueError(
+      f"sebp_matmul: a RowPlan orders the rows of the whole batch, but the rows are sharded over "
+      f"{row_axes}: leave `rows=` unset there (each device finds its own rows from dY), or make "
+      f"the plan inside jax.shard_map, from each device's own mask.")
   k_entry = k_axes or None
   specs = {"x": P(*row_entries, k_entry), "kernel": P(k_entry, None), "dy": P(*row_entries, None)}
   present = {name: value for name, value in (("x", x), ("kernel", kernel), ("dy", dy))
