@@ -39,10 +39,11 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def _config(tiny: bool):
+def _config(tiny: bool, layers: int | None = None):
   from sebp_jax.models import LlamaConfig
 
-  return LlamaConfig.llama_3_2_3b(**(_TINY if tiny else {}))
+  layers = {} if layers is None else {"num_hidden_layers": layers}
+  return LlamaConfig.llama_3_2_3b(**{**(_TINY if tiny else {}), **layers})
 
 
 def make_batch(lengths: np.ndarray, seq_len: int, rng: np.random.Generator,
@@ -125,9 +126,10 @@ def _without_padding_mask(model):
   return RightPaddedCausalLM(model)
 
 
-def build(tiny: bool) -> ModelSpec:
-  """The LLaMA-3.2-3B benchmark (``tiny``: a 1-layer model at context 128, batch 1 and 2)."""
-  config = _config(tiny)
+def build(tiny: bool, layers: int | None = None) -> ModelSpec:
+  """The LLaMA-3.2-3B benchmark (``tiny``: a 1-layer model at context 128, batch 1 and 2);
+  ``layers``: that many of its decoder layers instead of all 28 (or the tiny model's 1)."""
+  config = _config(tiny, layers)
   seq_len = 128 if tiny else 4096
   workloads = tuple(Workload(name, name, dataset_lengths("llama", name)) for name in DATASETS)
   workloads += (Workload("full_length", "every row real", np.array([seq_len])),)

@@ -20,6 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 from sebp_jax.backends import xla as xla_backend
 from sebp_jax.plan import RowPlan, check_plan_covers
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import RowSharding, current_row_sharding, per_shard_backward
 
 __all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
 
@@ -98,12 +99,13 @@ def _forward(x, kernel, precision):
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name, x, kernel, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name,
+                  sharding: RowSharding | None, x, kernel, plan):
   return _forward(x, kernel, precision)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan):
+def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, x, kernel, plan):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision)
@@ -113,17 +115,20 @@ def _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan)
   return y, (saved_x, saved_kernel, plan)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, name, residuals, dy):
+def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, residuals, dy):
   saved_x, saved_kernel, plan = residuals
   if isinstance(dy, SymbolicZero):
     return None, None, None
-  x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
-  dy2d = dy.reshape(-1, dy.shape[-1])
-  if plan is not None and plan.check:
-    check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
-  dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
-                                       precision=precision, plan=plan)
-  dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
+
+  def backend(x2d, kernel, dy2d):
+    if plan is not None and plan.check:
+      check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
+    return _backend(impl, crossover)(x2d, kernel, dy2d, policy=policy, precision=precision,
+                                     plan=plan)
+
+  # Each device runs the backend on its own rows (sebp_jax.sharding).
+  dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding,
+                              planned=plan is not None)
   return dx, dw, None
 
 
@@ -194,7 +199,9 @@ def sebp_matmul(
     y = _forward(x, kernel, precision)
   else:
     plan = rows if rows is not None and rows.applies_to(x) else None
-    y = _sebp_product(policy, impl, crossover, precision, name, x, kernel, plan)
+    # The sebp_jax.sharded_rows in effect now, when the forward is traced.
+    y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(), x, kernel,
+                      plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.

@@ -180,11 +180,29 @@ def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str):
-  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled."""
-  return pl.pallas_call(
-    body, out_shape=out_shape, grid=grid,
-    compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
-    interpret=interpret, name=name)
+  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled.
+
+  Inside ``jax.shard_map(check_vma=True)`` every operand is the device's own and so are the
+  outputs: they vary over every manual mesh axis some operand varies over. ``pallas_call``
+  needs ``out_shape`` to say how they vary; it is declared invariant, which the Pallas
+  interpreter requires (in jax 0.10 it carries the kernel's invariant values in a loop whose
+  carry must keep its type), and the outputs are cast to varying afterwards.
+  """
+
+  def call(*operands):
+    varying = tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in operands))))
+    invariant = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                     manual_axis_type=jax.sharding.ManualAxisType()), out_shape)
+    outputs = pl.pallas_call(
+      body, out_shape=invariant, grid=grid,
+      compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
+      interpret=interpret, name=name)(*operands)
+    if not varying:
+      return outputs
+    return jax.tree.map(lambda o: lax.pcast(o, varying, to="varying"), outputs)
+
+  return call
 
 
 def _grouped_tile(program, row_blocks: int, col_blocks: int, group: int):
