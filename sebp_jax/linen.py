@@ -111,7 +111,7 @@ class SEBPDenseGeneral(nn.DenseGeneral):
     super().__post_init__()
 
 
-def _einsum(module: nn.Einsum, inputs: jax.Array, einsum_str: str | None, *,
+def _einsum(module: nn.Einsum, inputs: jax.Array, einsum_str: str | None = None, *,
             dot_general: Callable[..., jax.Array]) -> jax.Array:
   """``nn.Einsum.__call__`` (same parameters, same result) with its product through
   ``dot_general`` (:func:`sebp_jax.contraction.einsum_matmul`). Runs inside the module's compact
@@ -335,7 +335,7 @@ def _intercept(next_fun, args, kwargs, context):
 
   layer = SwappedLayer(path, kind, _kernel_shape(module, kind), reason)
   if swap.report.add(layer) and reason is not None:
-    warn_stays_dense(swap.caller, layer)
+    warn_stays_dense(swap.caller, layer, stacklevel=2)
   return out
 
 

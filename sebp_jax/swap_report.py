@@ -96,8 +96,8 @@ def warn_if_nothing_selected(caller: str, where: Callable | None, asked: list[Mo
       f"({shown}{more}); every layer stays dense.", stacklevel=stacklevel + 1)
 
 
-def warn_stays_dense(caller: str, layer: SwappedLayer) -> None:
-  """The warning for a selected layer that cannot run SEBP."""
+def warn_stays_dense(caller: str, layer: SwappedLayer, stacklevel: int) -> None:
+  """The warning for a selected layer that cannot run SEBP (``stacklevel`` as above)."""
   warnings.warn(
     f"{caller}: {layer.kind} at {'/'.join(layer.path) or '<root>'} stays dense: "
-    f"{layer.dense_reason}.", stacklevel=4)
+    f"{layer.dense_reason}.", stacklevel=stacklevel + 1)
