@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from parity_tests.jaxprs import count_primitive
+from parity_tests.jaxprs import count_primitive, count_sebp_rules
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy, swap_dense
 from sebp_jax.contraction import einsum_matmul, matmul_view
@@ -83,7 +83,7 @@ def test_dot_general_any_dimension_order(impl, case):
   assert_close(SEBPDotGeneral(impl=impl)(x, w, dims), lax.dot_general(x, w, dims), what="y")
   want = jax.grad(dense, argnums=(0, 1))(x, w)
   _assert_trees_close(jax.grad(sebp, argnums=(0, 1))(x, w), want, "grad")
-  assert count_primitive(jax.make_jaxpr(sebp)(x, w), "custom_vjp_call") == 1
+  assert count_sebp_rules(jax.make_jaxpr(sebp)(x, w)) == 1
   lossy = _dot_loss(SEBPDotGeneral(LOSSY, impl=impl), dims, real)
   assert _trees_differ(jax.grad(lossy, argnums=(0, 1))(x, w), want)
 
@@ -103,8 +103,7 @@ def test_batched_contractions_stay_dense():
   q, k = jnp.ones((2, 5, 3, 4)), jnp.ones((2, 7, 3, 4))
   scores = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k,  # noqa: E731
                                    _dot_general=SEBPDotGeneral(impl="xla"))
-  assert count_primitive(jax.make_jaxpr(jax.grad(lambda q: scores(q, k).sum()))(q),
-                         "custom_vjp_call") == 0
+  assert count_sebp_rules(jax.make_jaxpr(lambda q: scores(q, k).sum())(q)) == 0
 
 
 def test_preferred_element_type_is_honoured():
@@ -126,7 +125,7 @@ def test_preferred_element_type_is_honoured():
   want = vjp((2 * y).astype(jnp.bfloat16))
   for g, r in zip(got, want):
     assert_close(g, r, jnp.bfloat16)
-  assert count_primitive(jax.make_jaxpr(loss(sebp))(x, w), "custom_vjp_call") == 1
+  assert count_sebp_rules(jax.make_jaxpr(loss(sebp))(x, w)) == 1
 
 
 def test_out_sharding_is_applied_not_dropped():
@@ -141,7 +140,7 @@ def test_out_sharding_is_applied_not_dropped():
                                         out_sharding=jax.sharding.NamedSharding(mesh, spec))
 
     jaxpr = jax.make_jaxpr(f)(x)
-    assert count_primitive(jaxpr, "custom_vjp_call") == 1
+    assert count_sebp_rules(jaxpr) == 1
     assert count_primitive(jaxpr, "reshard") + count_primitive(jaxpr, "sharding_constraint") >= 1
     assert jax.typeof(f(x)).sharding.spec == spec
 
@@ -177,7 +176,7 @@ def test_weight_einsums(impl, equation):
                              jnp.einsum(equation, x, w), rtol=1e-6, atol=1e-6)
   sebp = loss(SEBPDotGeneral(impl=impl))
   _assert_trees_close(jax.grad(sebp, argnums=(0, 1))(x, w), want, "grad")
-  assert count_primitive(jax.make_jaxpr(sebp)(x, w), "custom_vjp_call") == 1
+  assert count_sebp_rules(jax.make_jaxpr(sebp)(x, w)) == 1
   # x's padded tokens make rows of dy zero only where the tokens are the rows: the lossy policy
   # (2 rows of 18) changes the weight gradient.
   lossy = jax.grad(loss(SEBPDotGeneral(LOSSY, impl=impl)), argnums=1)(x, w)
@@ -261,7 +260,7 @@ def test_swap_dense_on_linen_models(impl, name):
       return out
     return f
 
-  assert count_primitive(jax.make_jaxpr(sebp(RowPolicy()))(params), "custom_vjp_call") == layers
+  assert count_sebp_rules(jax.make_jaxpr(sebp(RowPolicy()))(params)) == layers
   _assert_trees_close(jax.grad(sebp(RowPolicy()))(params), want, "grad")
   assert _trees_differ(jax.grad(sebp(LOSSY))(params), want)
 
@@ -285,7 +284,7 @@ def test_sebp_dense_general_and_einsum_equal_flax_layers():
     assert jax.tree.structure(sebp.init(jax.random.key(0), x)) == jax.tree.structure(params)
     loss = lambda m: lambda p: jnp.sum(jnp.sin(m.apply(p, x)) * _rows_mask((2, 7, 5), 3))  # noqa
     _assert_trees_close(jax.grad(loss(sebp))(params), jax.grad(loss(dense))(params), "grad")
-    assert count_primitive(jax.make_jaxpr(loss(sebp))(params), "custom_vjp_call") == 1
+    assert count_sebp_rules(jax.make_jaxpr(loss(sebp))(params)) == 1
 
 
 def test_sebp_layers_reject_batched_contractions():
@@ -303,7 +302,7 @@ def test_swap_dense_reports_and_warns_about_layers_it_leaves_dense():
     with swap_dense(impl="xla") as report:
       jaxpr = jax.make_jaxpr(jax.grad(lambda p: layer.apply(p, x).sum()))(params)
   assert len(report) == 0 and [l.kind for l in report.dense] == ["DenseGeneral"]
-  assert count_primitive(jaxpr, "custom_vjp_call") == 0
+  assert count_sebp_rules(jaxpr) == 0
 
 
 def test_nested_swap_dense_inner_wins():
@@ -378,7 +377,7 @@ def test_swap_linear_on_nnx_model(impl):
   assert kinds[("attn", "query")] == "LinearGeneral" and kinds[("embed", "attend")] == "Embed.attend"
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda s: _nnx_loss(nnx.merge(graphdef, s), ids))(state)
-  assert count_primitive(jaxpr, "custom_vjp_call") == len(NNX_LAYERS)
+  assert count_sebp_rules(jaxpr) == len(NNX_LAYERS)
   got = nnx.jit(nnx.grad(_nnx_loss))(model, ids)
   _assert_trees_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), "grad")
   swap_linear(model, LOSSY, impl=impl)
@@ -388,7 +387,7 @@ def test_swap_linear_on_nnx_model(impl):
   assert sorted(l.path for l in undone) == sorted(NNX_LAYERS)
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda s: _nnx_loss(nnx.merge(graphdef, s), ids))(state)
-  assert count_primitive(jaxpr, "custom_vjp_call") == 0
+  assert count_sebp_rules(jaxpr) == 0
   assert type(model.embed) is nnx.Embed and model.mlp.dot_general is lax.dot_general
 
 
@@ -406,3 +405,58 @@ def test_swap_linear_names_bad_arguments_and_leaves_batched_layers_dense():
   with pytest.warns(UserWarning, match="LinearGeneral at <root> stays dense: `batch_axis`"):
     report = swap_linear(batched)
   assert len(report) == 0 and len(report.dense) == 1 and batched.dot_general is None
+
+
+# --- the LLaMA model built from Gemma-style Einsum layers (the benchmark's einsum variants) ------
+
+def _einsum_params(config, dense_params):
+  """The Dense-built LLaMA's parameters in the Einsum-built model's shapes (reshapes only)."""
+  cfg = config
+  heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads,
+           "v_proj": cfg.num_key_value_heads}
+
+  def reshape(path, leaf):
+    names = [getattr(p, "key", "") for p in path]
+    if names[-2] in heads:
+      n = heads[names[-2]]
+      return leaf.reshape((-1, n, cfg.head_dim) if names[-1] == "kernel" else (n, cfg.head_dim))
+    if names[-2] == "o_proj" and names[-1] == "kernel":
+      return leaf.reshape(cfg.num_attention_heads, cfg.head_dim, -1)
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(reshape, dense_params)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_einsum_built_llama_equals_dense_built_and_swaps_every_layer(impl):
+  from sebp_jax.models import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+
+  kw = dict(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+            attention_impl="xla")
+  dense_cfg, einsum_cfg = LlamaConfig(**kw), LlamaConfig(**kw, projections="einsum")
+  ids = jnp.asarray(np.random.default_rng(6).integers(1, 61, (2, 9)))
+  mask = jnp.asarray(np.arange(9) < np.array([[9], [4]]), jnp.int32)
+  labels = jnp.where(mask == 1, ids, -100)
+  dense_model, einsum_model = LlamaForCausalLM(dense_cfg), LlamaForCausalLM(einsum_cfg)
+  params = dense_model.init(jax.random.key(0), ids, mask)
+  einsum_params = _einsum_params(dense_cfg, params)
+  assert jax.tree.structure(einsum_params) == jax.tree.structure(
+    jax.eval_shape(einsum_model.init, jax.random.key(0), ids, mask))
+  assert_close(einsum_model.apply(einsum_params, ids, mask), dense_model.apply(params, ids, mask),
+               what="logits")
+
+  def loss(p):
+    return causal_lm_loss(einsum_model.apply(p, ids, mask), labels)
+
+  want = _einsum_params(dense_cfg, jax.grad(lambda p: causal_lm_loss(
+    dense_model.apply(p, ids, mask), labels))(params))
+
+  def sebp(p):
+    with swap_dense(impl=impl) as report:
+      out = loss(p)
+    assert len(report) == 8 and {l.kind for l in report} == {"Einsum"}, str(report)
+    return out
+
+  assert count_sebp_rules(jax.make_jaxpr(sebp)(einsum_params)) == 8
+  _assert_trees_close(jax.grad(sebp)(einsum_params), want, "grad")
