@@ -34,5 +34,5 @@ def count_sebp_rules(jaxpr: Any) -> int:
   """How many SEBP backward rules (``sebp_matmul``'s ``custom_vjp``) ``jaxpr`` holds: one per
   layer that runs SEBP, other ``custom_vjp``s (an embedding's, say) not counted."""
   return sum(e.primitive.name.startswith("custom_vjp_call")
-             and str(e.params.get("name", "")).startswith("_sebp_product")
+             and getattr(e.params.get("bwd"), "__name__", "").startswith("_sebp_product")
              for e in iter_eqns(jaxpr))
