@@ -138,7 +138,7 @@ def test_swap_linear_honours_where(where, expected):
   # A `where` that selects nothing says so.
   assert [str(w.message) for w in caught if "selected none" in str(w.message)] == (
     [] if expected else ["swap_linear: `where` selected none of the 4 layer(s) it was asked "
-                         "about (proj, mlp/0, mlp/1, head); every layer stays dense."])
+                         "about (head, mlp/0, mlp/1, proj); every layer stays dense."])
   assert sorted(_sebp_paths(model)) == sorted(expected)
   assert sorted(seen) == sorted(_PATHS), "`where` gets every Linear's path, as strings"
 
