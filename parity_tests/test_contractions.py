@@ -460,3 +460,53 @@ def test_einsum_built_llama_equals_dense_built_and_swaps_every_layer(impl):
 
   assert count_sebp_rules(jax.make_jaxpr(sebp)(einsum_params)) == 8
   _assert_trees_close(jax.grad(sebp)(einsum_params), want, "grad")
+
+
+# --- the escape hatch: modules that call jax.lax.dot_general themselves -------------------------
+
+class LaxConv1D(nn.Module):
+  """Hugging Face's Flax GPT-2 ``FlaxConv1D``: a ``(features, in)`` kernel, transposed, through
+  ``jax.lax.dot_general`` called directly."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(0.5), (self.features, x.shape[-1]))
+    return lax.dot_general(x, kernel.T, (((x.ndim - 1,), (0,)), ((), ()))) + self.param(
+      "bias", nn.initializers.zeros, (self.features,))
+
+
+class GPT2Style(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return LaxConv1D(3, name="c_proj")(nn.gelu(LaxConv1D(12, name="c_fc")(x)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lax_modules_route_their_own_lax_dot_general_calls(impl):
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 7, 8)), jnp.float32)
+  model = GPT2Style()
+  params = model.init(jax.random.key(0), x)
+  loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)) * _rows_mask((2, 7, 1), 4))  # noqa: E731
+  want = jax.grad(loss)(params)
+  original = lax.dot_general
+
+  def sebp(policy):
+    def f(p):
+      with swap_dense(policy, impl=impl, lax_modules=(LaxConv1D,)) as report:
+        out = loss(p)
+      assert [(l.path, l.kind) for l in report] == [
+        (("c_fc",), "LaxConv1D (lax.dot_general)"), (("c_proj",), "LaxConv1D (lax.dot_general)")]
+      return out
+    return f
+
+  assert count_sebp_rules(jax.make_jaxpr(sebp(RowPolicy()))(params)) == 2
+  assert lax.dot_general is original  # restored
+  _assert_trees_close(jax.grad(sebp(RowPolicy()))(params), want, "grad")
+  assert _trees_differ(jax.grad(sebp(LOSSY))(params), want)
+  with swap_dense(impl=impl):  # not named: untouched
+    assert count_sebp_rules(jax.make_jaxpr(lambda p: loss(p))(params)) == 0
+  with pytest.raises(TypeError, match="`lax_modules` must be a tuple of flax.linen Module"):
+    with swap_dense(lax_modules=LaxConv1D):
+      pass

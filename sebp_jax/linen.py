@@ -174,6 +174,7 @@ def swap_dense(
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
   crossover: float | None = None,
+  lax_modules: tuple[type[nn.Module], ...] = (),
 ) -> Iterator[SwapReport]:
   """Give every weight contraction traced inside the block the SEBP backward.
 
@@ -183,8 +184,8 @@ def swap_dense(
   matmul; its path ends in ``"attend"``). Stay dense: the attention scores and other batched
   contractions, a ``DenseGeneral`` with ``batch_dims`` or an einsum with a batch letter (listed
   in the report, with a warning), layers with their own ``dot_general`` (quantised matmuls, say),
-  subclasses (``SEBPDense`` keeps its own policy), and libraries that call ``lax.dot_general``
-  themselves (see :func:`swap_dot_general`).
+  subclasses (``SEBPDense`` keeps its own policy), and modules that call ``jax.lax.dot_general``
+  themselves unless named in ``lax_modules``.
 
   The model is not modified: the swap applies to calls *traced* while the context is open. Enter
   it inside the function you ``jit`` (or jit inside it): a function jitted and traced outside the
@@ -200,6 +201,11 @@ def swap_dense(
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
     crossover: the kept-row fraction above which the dense backward runs instead, as in
       :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
+    lax_modules: the escape hatch for libraries whose modules call ``jax.lax.dot_general``
+      themselves (Hugging Face's Flax GPT-2 ``FlaxConv1D``): while the ``__call__`` of a selected
+      instance of one of these classes runs, ``jax.lax.dot_general`` is the SEBP one (the
+      attribute is replaced for the call and restored after it). Their kind in the report is
+      ``"<Class> (lax.dot_general)"``.
 
   Yields:
     A :class:`sebp_jax.swap_report.SwapReport`, filled as layers are traced: each selected
@@ -215,8 +221,8 @@ def swap_dense(
   >>> [(layer.path, layer.kind, layer.kernel_shape) for layer in report]
   [(('layers_2',), 'Dense', (8, 2))]
   """
-  check_where(where, "swap_dense")
-  with _swap(SEBPDotGeneral(policy, impl, crossover), where, "swap_dense") as report:
+  with _swap(SEBPDotGeneral(policy, impl, crossover), where, lax_modules,
+             "swap_dense") as report:
     yield report
 
 
@@ -225,18 +231,17 @@ def swap_dot_general(
   dot_general: Callable[..., jax.Array],
   *,
   where: Callable[[ModulePath], bool] | None = None,
+  lax_modules: tuple[type[nn.Module], ...] = (),
 ) -> Iterator[SwapReport]:
   """Run the weight contraction of every layer :func:`swap_dense` reaches through ``dot_general``
   (a ``lax.dot_general`` replacement): the mechanism of :func:`swap_dense`, and its escape hatch.
 
-  The same layers, rules and report as :func:`swap_dense`; ``dot_general`` gets each selected
-  layer's contraction when it is a weight matrix product (no batch dimensions; for ``nn.Einsum``
-  with the input as ``lhs``). A library that calls ``lax.dot_general`` itself (Hugging Face's
-  Flax GPT-2 ``Conv1D``) is reached by giving its module a ``dot_general`` of its own, or by
-  wrapping it in a module that calls ``SEBPDotGeneral`` (``docs/swapping.md``).
+  The same layers, rules, ``lax_modules`` and report as :func:`swap_dense`; ``dot_general``
+  gets each selected layer's contraction when it is a weight matrix product (no batch
+  dimensions; for ``nn.Einsum`` with the input as ``lhs``), and every ``jax.lax.dot_general``
+  call of the ``lax_modules``' selected instances.
   """
-  check_where(where, "swap_dot_general")
-  with _swap(dot_general, where, "swap_dot_general") as report:
+  with _swap(dot_general, where, lax_modules, "swap_dot_general") as report:
     yield report
 
 
@@ -248,6 +253,7 @@ class _Swap:
 
   dot_general: Callable[..., jax.Array]
   where: Callable[[ModulePath], bool] | None
+  lax_modules: tuple[type[nn.Module], ...]
   caller: str
   report: SwapReport = dataclasses.field(default_factory=SwapReport)
   asked: list[ModulePath] = dataclasses.field(default_factory=list)
@@ -272,8 +278,14 @@ _OPEN = _OpenSwaps()
 
 
 @contextlib.contextmanager
-def _swap(dot_general, where, caller) -> Iterator[SwapReport]:
-  swap = _Swap(dot_general, where, caller)
+def _swap(dot_general, where, lax_modules, caller) -> Iterator[SwapReport]:
+  check_where(where, caller)
+  lax_modules = tuple(lax_modules) if isinstance(lax_modules, (tuple, list)) else lax_modules
+  if not (isinstance(lax_modules, tuple) and all(
+      isinstance(c, type) and issubclass(c, nn.Module) for c in lax_modules)):
+    raise TypeError(f"{caller}: `lax_modules` must be a tuple of flax.linen Module classes, got "
+                    f"{lax_modules!r}.")
+  swap = _Swap(dot_general, where, lax_modules, caller)
   # One interceptor for all nested contexts, so that the innermost selecting one decides (flax
   # runs the outermost interceptor first, which would otherwise win).
   outermost = not _OPEN.stack
@@ -286,6 +298,26 @@ def _swap(dot_general, where, caller) -> Iterator[SwapReport]:
   # Reported at the user's `with`: past this generator, contextlib, swap_dense's generator and
   # contextlib again.
   warn_if_nothing_selected(caller, where, swap.asked, swap.report, stacklevel=5)
+
+
+@contextlib.contextmanager
+def _lax_dot_general_through(dot_general: Callable[..., jax.Array]) -> Iterator[None]:
+  """``jax.lax.dot_general`` is ``dot_general`` inside the block (for ``lax_modules``)."""
+  original = jax.lax.dot_general
+
+  def routed(*args, **kwargs):
+    # The SEBP product itself calls jax.lax.dot_general: the original, while it runs.
+    jax.lax.dot_general = original
+    try:
+      return dot_general(*args, **kwargs)
+    finally:
+      jax.lax.dot_general = routed
+
+  jax.lax.dot_general = routed
+  try:
+    yield
+  finally:
+    jax.lax.dot_general = original
 
 
 def _layer_kind(module: nn.Module, method: str) -> str | None:
@@ -306,6 +338,9 @@ def _layer_kind(module: nn.Module, method: str) -> str | None:
 def _intercept(next_fun, args, kwargs, context):
   module = context.module
   kind = _layer_kind(module, context.method_name)
+  if kind is None and context.method_name == "__call__":
+    if any(isinstance(module, s.lax_modules) for s in _OPEN.stack):
+      return _intercept_lax_module(module, next_fun, args, kwargs)
   if kind is None:
     return next_fun(*args, **kwargs)
   path = (*module.path, "attend") if kind == "Embed.attend" else tuple(module.path)
@@ -336,6 +371,22 @@ def _intercept(next_fun, args, kwargs, context):
   layer = SwappedLayer(path, kind, _kernel_shape(module, kind), reason)
   if swap.report.add(layer) and reason is not None:
     warn_stays_dense(swap.caller, layer, stacklevel=2)
+  return out
+
+
+def _intercept_lax_module(module, next_fun, args, kwargs):
+  """A ``lax_modules`` instance's ``__call__``, its ``jax.lax.dot_general`` calls through the
+  innermost swap that names its class and selects it."""
+  path = tuple(module.path)
+  swap = next((s for s in reversed(_OPEN.stack)
+               if isinstance(module, s.lax_modules) and s.selects(path)), None)
+  if swap is None:
+    return next_fun(*args, **kwargs)
+  with _lax_dot_general_through(swap.dot_general):
+    out = next_fun(*args, **kwargs)
+  kernel = module.get_variable("params", "kernel")
+  shape = () if kernel is None else tuple(jnp.shape(nn.unbox(kernel)))
+  swap.report.add(SwappedLayer(path, f"{type(module).__name__} (lax.dot_general)", shape))
   return out
 
 
