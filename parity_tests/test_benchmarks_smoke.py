@@ -280,3 +280,17 @@ def test_merge_refuses_results_that_do_not_compare(second, message):
     merge.merge_results([first], ["a"])
   with pytest.raises(ValueError, match="`batches`"):
     merge.merge_results([first, _result("H200", ("torch-dense", 1, 1.0))], ["a", "b"], [4])
+
+
+def test_einsum_built_variants_divide_their_own_dense_run():
+  # The einsum-built model's SEBP speedup is over the einsum-built dense run, not jax-dense.
+  def row(variant, bwd_ms, step_ms):
+    return {"workload": "piqa", "batch": 1, "variant": variant, "error": None,
+            "bwd_ms": bwd_ms, "step_ms": step_ms}
+
+  rows = [row("jax-dense", 10.0, 20.0), row("jax-sebp-pallas", 5.0, 16.0),
+          row("jax-dense-einsum", 12.0, 24.0), row("jax-sebp-pallas-einsum", 4.0, 16.0)]
+  ratios = workloads.speedups(rows)
+  assert ratios[("piqa", 1, "jax-sebp-pallas")] == (2.0, 1.25)
+  assert ratios[("piqa", 1, "jax-sebp-pallas-einsum")] == (3.0, 1.5)
+  assert ratios[("piqa", 1, "jax-dense-einsum")] == (1.0, 1.0)
