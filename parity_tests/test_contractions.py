@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
+from parity_tests.impls import impl_params
 from parity_tests.jaxprs import count_primitive, count_sebp_rules
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy, swap_dense
@@ -27,7 +28,8 @@ from sebp_jax.linen import SEBPDenseGeneral, SEBPEinsum
 from sebp_jax.matmul import SEBPDotGeneral
 from sebp_jax.nnx import swap_linear, unswap_linear
 
-IMPLS = ["xla", "interpret"]  # the two CPU backends with the SEBP rule (dense has none)
+# The backends with the SEBP rule ("dense" has none): xla and interpret on CPU, pallas on a GPU.
+IMPLS = [p for p in impl_params() if p.values != ("dense",)]
 LOSSY = RowPolicy(max_rows=2)
 
 
