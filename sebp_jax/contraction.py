@@ -133,8 +133,8 @@ def einsum_dense_reason(einsum_str: str) -> str | None:
 
   It is one unless a letter is shared by the input, the kernel and the output (a batch
   dimension), or the input or the kernel keeps no dimension in the output (a matrix-vector
-  product, whose "rows" are not the input's). Letters summed out of one operand only are fine:
-  ``jnp.einsum`` sums them before the product.
+  product, whose "rows" are not the input's), or a letter repeats within an operand (a
+  diagonal). Letters of one operand that the output drops are fine: they are summed out first.
 
   >>> einsum_dense_reason("BTD,DNH->BTNH") is None, einsum_dense_reason("...F,NHF->...NH") is None
   (True, True)
@@ -154,6 +154,9 @@ def einsum_dense_reason(einsum_str: str) -> str | None:
     return "the kernel keeps no dimension in the output (a matrix-vector product)"
   if not (lhs_letters & out_letters or "..." in lhs):
     return "the input keeps no dimension in the output"
+  for operand in (lhs.replace("...", ""), rhs):
+    if len(set(operand)) != len(operand):
+      return f"a letter repeats in {operand!r} (a diagonal)"
   return None
 
 
@@ -177,28 +180,40 @@ def einsum_matmul(
   preferred_element_type: Any = None,
   out_sharding: Any = None,
 ) -> jax.Array:
-  """``jnp.einsum(einsum_str, inputs, kernel)`` whose product runs through ``dot_general`` as
-  ``dot_general(inputs', kernel', dims)`` with the input as ``lhs``.
+  """``jnp.einsum(einsum_str, inputs, kernel)`` as one ``dot_general(inputs, kernel, dims)``.
 
-  ``jnp.einsum`` may contract a weight einsum as ``kernel . inputs`` (where the output lists the
-  kernel's letters first), which would make the kernel's dims the product's rows. Here the
-  einsum is asked for the output in ``dot_general``'s own order (the input's kept letters, then
-  the kernel's) and transposed to the requested order after, so ``dot_general`` always sees the
-  input as ``lhs`` and needs no transpose of its own. Einsums that are not weight matrix
-  products (:func:`einsum_dense_reason`) are plain ``jnp.einsum``.
+  The input is always ``lhs`` (``jnp.einsum`` would contract ``kernel . inputs`` where the output
+  lists the kernel's letters first, making the kernel's dims the product's rows), contracted
+  letters are paired in the input's order (so an input with them last needs no transpose), and
+  the product is transposed to the requested output order after. Letters of one operand that
+  the output drops are summed out first. Einsums that are not weight matrix products
+  (:func:`einsum_dense_reason`) are plain ``jnp.einsum``.
   """
   if einsum_dense_reason(einsum_str) is not None:
     return jnp.einsum(einsum_str, inputs, kernel, precision=precision,
                       preferred_element_type=preferred_element_type, out_sharding=out_sharding)
   lhs, rhs, out = _expand_ellipsis(einsum_str, inputs.ndim)
-  product = "".join(c for c in lhs if c in out) + "".join(c for c in rhs if c in out)
-  y = jnp.einsum(f"{lhs},{rhs}->{product}", inputs, kernel, precision=precision,
-                 preferred_element_type=preferred_element_type, _dot_general=dot_general)
-  if product != out:
+  inputs, lhs = _sum_out(inputs, lhs, keep=rhs + out)
+  kernel, rhs = _sum_out(kernel, rhs, keep=lhs + out)
+  contracted = [c for c in lhs if c in rhs]
+  dims = ((tuple(lhs.index(c) for c in contracted), tuple(rhs.index(c) for c in contracted)),
+          ((), ()))
+  y = dot_general(inputs, kernel, dims, precision=precision,
+                  preferred_element_type=preferred_element_type)
+  product = [c for c in lhs if c not in contracted] + [c for c in rhs if c not in contracted]
+  if product != list(out):
     y = jnp.transpose(y, tuple(product.index(c) for c in out))
   if out_sharding is not None:
     y = jax.sharding.reshard(y, out_sharding)
   return y
+
+
+def _sum_out(operand: jax.Array, letters: str, keep: str) -> tuple[jax.Array, str]:
+  """``operand`` summed over its letters not in ``keep``, and its remaining letters."""
+  axes = tuple(i for i, c in enumerate(letters) if c not in keep)
+  if not axes:
+    return operand, letters
+  return jnp.sum(operand, axis=axes), "".join(c for c in letters if c in keep)
 
 
 @dataclasses.dataclass(frozen=True)
