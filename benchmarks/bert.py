@@ -98,6 +98,7 @@ def build(tiny: bool) -> ModelSpec:
     jax_module=lambda: _jax_module(config),
     jax_loss=_jax_loss,
     torch_model=lambda device: _torch_model(config, device),
+    paper_max_rows=None if tiny else 3456,  # the paper's fixed Top-N for BERT-base (its §4)
   )
 
 

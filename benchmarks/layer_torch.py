@@ -34,7 +34,7 @@ import triton.testing
 
 from sebp_torch_ref import sebp_linear
 from sebp_torch_ref import kernels
-from sebp_torch_ref.policy import RowPolicy, active_first_permutation, keep_mask
+from sebp_torch_ref.policy import RowPolicy
 
 
 @dataclass(frozen=True)
@@ -143,20 +143,22 @@ def tune(shape: Shape, fraction: float) -> None:
     """Times every candidate block config for both kernels; prints the best few."""
     x, weight, dy, _ = make_case(shape, fraction)
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    perm, count = active_first_permutation(keep_mask(dy2, RowPolicy()))
+    perm, count = kernels.select_rows(dy2, RowPolicy())
+    # The compacted operands the GEMM kernels read: kept rows first, in perm order.
+    dy_kept, x_kept = dy2[perm.long()].contiguous(), x2[perm.long()].contiguous()
     for kernel in ("dx", "dw"):
         results = []
         for cfg in TUNE_CANDIDATES:
             if kernel == "dx":
-                fn = lambda: kernels.sebp_dx(dy2, weight.detach(), perm, count, config=cfg)  # noqa: E731
+                fn = lambda: kernels.sebp_dx(dy_kept, weight.detach(), perm, count, compacted=True, config=cfg)  # noqa: E731
             else:
-                fn = lambda: kernels.sebp_dw(dy2, x2, perm, count, DTYPE, config=cfg)  # noqa: E731
+                fn = lambda: kernels.sebp_dw(dy_kept, x_kept, perm, count, DTYPE, compacted=True, config=cfg)  # noqa: E731
             try:
                 results.append((triton.testing.do_bench(fn, return_mode="median"), cfg))
             except Exception as error:  # out of shared memory etc.: a candidate, not the code, fails
                 print(f"  {kernel} {cfg}: {type(error).__name__}")
         results.sort(key=lambda r: r[0])
-        default = kernels.default_config(kernel, DTYPE)
+        default = kernels.default_config(kernel, DTYPE, out_columns=shape.in_features)
         default_ms = next((ms for ms, cfg in results if cfg == default), float("nan"))
         best = ", ".join(f"{ms:.3f}ms {tuple(c.values())}" for ms, c in results[:3])
         print(f"tune {shape.name} f={fraction} {kernel}: default {default_ms:.3f}ms; best {best}")

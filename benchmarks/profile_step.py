@@ -31,18 +31,21 @@ from benchmarks.workloads import (
   single_workload_parser, versions_text,
 )
 
-__all__ = ["kernel_family", "kernel_times", "profile_variant", "markdown_report"]
+__all__ = ["kernel_family", "kernel_times", "profile_variant", "variant_entry", "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
-# `pallas_call` names (sebp_jax.backends.pallas); cuBLAS's Hopper kernels are "nvjet_*" or
-# "sm90_xmma_*"; cuDNN's fused attention kernels name cudnn or flash attention.
+# `pallas_call` names (sebp_jax.backends.pallas), the torch reference's Triton kernels their
+# function names (sebp_torch_ref.kernels); cuBLAS's Hopper kernels are "nvjet_*" or
+# "sm90_xmma_*"; cuDNN's and torch's fused attention kernels name cudnn, flash or fmha.
 _FAMILIES = (
-  ("SEBP dX", ("sebp_dx",)),
-  ("SEBP dW", ("sebp_dw",)),
-  ("SEBP partition", ("sebp_partition",)),
-  ("attention (cuDNN)", ("cudnn", "flash", "fmha")),
+  ("SEBP dX", ("sebp_dx", "_dx_kernel")),
+  ("SEBP dW", ("sebp_dw", "_dw_kernel", "_split_sum_kernel")),
+  ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
+  ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),
   ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
   ("copies", ("memcpy", "memset")),
+  # torch's own kernels (benchmarks.profile_torch); XLA's fusions never carry these names.
+  ("torch elementwise, reductions", ("elementwise", "reduce_kernel", "at::native")),
 )
 OTHER = "XLA fusions, other"
 _TOP = 15  # kernels listed by name per variant
@@ -116,17 +119,24 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   if not kernels:
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
+  return variant_entry(variant.name, walls, kernels)
+
+
+def variant_entry(name: str, walls: Sequence[float],
+                  kernels: dict[str, tuple[float, float]]) -> dict:
+  """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
+  ``kernels`` (name -> (ms, launches) per call) summed per family, and the top kernels."""
   families: dict[str, float] = collections.defaultdict(float)
-  for name, (ms, _) in kernels.items():
-    families[kernel_family(name)] += ms
+  for kernel, (ms, _) in kernels.items():
+    families[kernel_family(kernel)] += ms
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
-    "variant": variant.name,
+    "variant": name,
     "wall_ms": statistics.median(walls),
     "busy_ms": sum(ms for ms, _ in kernels.values()),
     "launches": sum(n for _, n in kernels.values()),
     "families": dict(sorted(families.items(), key=lambda item: -item[1])),
-    "kernels": [[name, kernel_family(name), ms, n] for name, (ms, n) in ranked[:_TOP]],
+    "kernels": [[kernel, kernel_family(kernel), ms, n] for kernel, (ms, n) in ranked[:_TOP]],
   }
 
 

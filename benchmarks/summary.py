@@ -1,9 +1,11 @@
 """The ranges the README quotes from a model benchmark's result file.
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
-the backward and train-step speedups over ``jax-dense``, the way to the bound
-``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)``, and peak memory against dense; and, for
-the ``full_length`` workload, the step time as a multiple of dense's. Computed from the JSON, so
+the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
+own framework's dense (``jax-dense`` or ``torch-dense``), the way to its own framework's bound
+``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound`` or ``torch-bound``), and
+peak memory against its own dense; and, for the ``full_length`` workload, the step time as a
+multiple of its own dense's. Computed from the JSON, so
 a re-measured file gives the README's numbers without copying them by hand::
 
     python -m benchmarks.summary benchmarks/results/llama_b1.json benchmarks/results/llama_b4.json
@@ -18,9 +20,11 @@ from typing import Sequence
 
 from benchmarks.workloads import BASELINE, speedups
 
-__all__ = ["BOUND", "way_to_bound", "variant_ranges", "markdown_summary"]
+__all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_summary"]
 
 BOUND = "jax-bound"
+# framework -> (its dense variant, its bound variant)
+REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound")}
 
 
 def way_to_bound(dense_ms: float, variant_ms: float, bound_ms: float) -> float:
@@ -35,19 +39,21 @@ def _span(values: list[float]) -> tuple[float, float] | None:
 
 
 def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float, float] | None]]:
-  """``(batch, variant) -> {"bwd_x", "step_x", "way", "mem", "full_step"}``: each a ``(low,
-  high)`` range (``None`` where nothing measured it). ``mem`` is the relative peak-memory change
-  (+0.01 = 1 % more than dense); ``full_step`` the full-length step time over dense's."""
+  """``(batch, variant) -> {"bwd_x", "step_x", "own_bwd_x", "way", "mem", "full_step"}``: each a
+  ``(low, high)`` range (``None`` where nothing measured it). ``bwd_x``/``step_x`` are over
+  ``jax-dense``; ``own_bwd_x``, ``way``, ``mem`` (+0.01 = 1 % more) and ``full_step`` against the
+  variant's own framework's dense and bound (:data:`REFERENCES`)."""
   rows = [r for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
   ratios = speedups(rows)
   collected: dict[tuple[int, str], dict[str, list[float]]] = {}
   for r in rows:
-    dense = by_key.get((r["workload"], r["batch"], BASELINE))
+    dense_name, bound_name = REFERENCES[r["framework"]]
+    dense = by_key.get((r["workload"], r["batch"], dense_name))
     if dense is None:
       continue
     into = collected.setdefault((r["batch"], r["variant"]), {
-      "bwd_x": [], "step_x": [], "way": [], "mem": [], "full_step": []})
+      "bwd_x": [], "step_x": [], "own_bwd_x": [], "way": [], "mem": [], "full_step": []})
     if r["active_fraction"] >= 1.0:
       into["full_step"].append(r["step_ms"] / dense["step_ms"])
       continue
@@ -55,9 +61,11 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
     for name, ratio in zip(("bwd_x", "step_x"), ratios[(r["workload"], r["batch"], r["variant"])]):
       if ratio is not None:
         into[name].append(ratio)
-    bound = by_key.get((r["workload"], r["batch"], BOUND))
-    # Against the JAX bound: meaningful for the JAX variants that run SEBP (or pad less).
-    if bound is not None and r["framework"] == "jax" and r["variant"] not in (BASELINE, BOUND):
+    if r["bwd_ms"] > 0:
+      into["own_bwd_x"].append(dense["bwd_ms"] / r["bwd_ms"])
+    bound = by_key.get((r["workload"], r["batch"], bound_name))
+    # Meaningful for the variants that run SEBP (or pad less), not for the references themselves.
+    if bound is not None and r["variant"] not in (dense_name, bound_name):
       into["way"].append(way_to_bound(dense["bwd_ms"], r["bwd_ms"], bound["bwd_ms"]))
     if r["peak_mem_bytes"] and dense["peak_mem_bytes"]:
       into["mem"].append(r["peak_mem_bytes"] / dense["peak_mem_bytes"] - 1.0)
@@ -78,18 +86,20 @@ def markdown_summary(result: dict) -> str:
   lines = [
     f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
     "",
-    "Ranges over the padded workloads; full length is the step time over dense's.",
+    "Ranges over the padded workloads; × is over jax-dense, \"own\" over the variant's own "
+    "framework's dense and bound; full length is the step time over its own dense's.",
     "",
-    "| batch | variant | backward × | step × | way to bound | peak memory vs dense "
-    "| full-length step / dense |",
-    "|---|---|---|---|---|---|---|",
+    "| batch | variant | backward × | step × | backward × own dense | way to own bound "
+    "| peak memory vs own dense | full-length step / own dense |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for (batch, variant), spans in variant_ranges(result).items():
     mem = None if spans["mem"] is None else tuple(100 * v for v in spans["mem"])
     way = None if spans["way"] is None else tuple(100 * v for v in spans["way"])
     lines.append(
       f"| {batch} | {variant} | {_fmt(spans['bwd_x'], '.2f', '×')} "
-      f"| {_fmt(spans['step_x'], '.2f', '×')} | {_fmt(way, '.0f', ' %')} "
+      f"| {_fmt(spans['step_x'], '.2f', '×')} | {_fmt(spans['own_bwd_x'], '.2f', '×')} "
+      f"| {_fmt(way, '.0f', ' %')} "
       f"| {_fmt(mem, '+.2f', ' %')} | {_fmt(spans['full_step'], '.3f', '×')} |")
   return "\n".join(lines) + "\n"
 

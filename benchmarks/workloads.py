@@ -19,13 +19,21 @@ Variants (:data:`VARIANTS`)
   with the exact policy), ``jax-bound`` (:func:`free_linear_backward`: every linear layer's
   backward costs nothing, the limit SEBP approaches), ``jax-dynamic`` (the dense model on each
   batch cut to its own longest sequence, rounded up to a multiple: the padding-free bound, paid for
-  with one compilation per length bucket), ``torch-dense`` (Hugging Face, SDPA attention) and
-  ``torch-sebp`` (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA); ``jax-sebp-pallas-nocond``
-  is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch ``lax.cond``, whose predicate XLA
-  fetches to the host once per layer). ``jax-dense-einsum`` and ``jax-sebp-pallas-einsum`` run the
-  same model built from Gemma-style ``nn.Einsum`` layers (:attr:`ModelSpec.jax_einsum_module`,
-  LLaMA only); their speedups are over ``jax-dense-einsum``, so the einsum-built model's SEBP
-  speedup compares with the Dense-built one's in one run.
+  with one compilation per length bucket), ``torch-dense`` (Hugging Face, bfloat16 weights, SDPA
+  attention), ``torch-dense-compiled`` (the same under ``torch.compile``), ``torch-sebp``
+  (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA, the dense backward chosen per step from the
+  batch's real-token fraction with :func:`sebp_torch_ref.dense_backward`), ``torch-bound``
+  (:func:`benchmarks.torch_bound.free_linear_backward_`: every ``nn.Linear`` backward free, ``dY``
+  still read once, as ``jax-bound``) and ``torch-sebp-topn`` (the paper's fixed Top-N,
+  ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
+  ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
+  ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
+  crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
+  plan (the attention mask: no layer reads its ``dy`` to find the real tokens).
+  ``jax-dense-einsum`` and ``jax-sebp-pallas-einsum`` run the same model built from Gemma-style
+  ``nn.Einsum`` layers (:attr:`ModelSpec.jax_einsum_module`, LLaMA only); their speedups are over
+  ``jax-dense-einsum``, so the einsum-built model's SEBP speedup compares with the Dense-built
+  one's in one run.
 
 Measurement
   Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
@@ -40,7 +48,8 @@ Measurement
     on BERT-base that program's time varied from 3.8 to 6.4 ms between processes, and the
     subtraction put all of it into the backward.)
   * torch: CUDA events around the forward, ``backward()`` and ``optimizer.step()`` of one eager
-    training step (``perf_counter`` on CPU).
+    training step (``perf_counter`` on CPU). ``bwd_spread`` is the backward's
+    ``(max - min) / median`` over the timed steps (distinct batches of one workload).
   * ``peak_mem_bytes``: JAX ``memory_stats()['peak_bytes_in_use']`` after the batch size's
     workloads (batch sizes run in ascending order, so the peak is that batch size's);
     ``torch.cuda.max_memory_allocated`` after a reset per workload. ``None`` on CPU.
@@ -83,7 +92,8 @@ __all__ = [
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text", "single_workload_parser", "prepared_workload",
+  "versions_text", "single_workload_parser", "prepared_workload", "TORCH_CROSSOVER",
+  "torch_variant_model", "torch_dense_steps",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -212,15 +222,20 @@ class Variant:
   """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, its ``impl``, and for
   the SEBP variants the ``crossover`` passed to :func:`sebp_jax.swap_dense`. ``per_batch``: the
   crossover decided once per step from the batch's real-token fraction
-  (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``layers``: ``"dense"``, the
-  model as :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as
-  :attr:`ModelSpec.jax_einsum_module` does."""
+  (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``rows``: besides, the kept
+  rows handed to every layer once per step from the attention mask (a row plan), instead of each
+  layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
+  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``layers``: ``"dense"``, the model as
+  :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
+  does."""
 
   name: str
   framework: str
   impl: str
   crossover: float | None = None
   per_batch: bool = False
+  rows: bool = False
+  max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
 
   @property
@@ -236,12 +251,18 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-bound", "jax", "bound"),
   Variant("torch-dense", "torch", "dense"),
   Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
+  Variant("torch-bound", "torch", "bound"),
+  Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
+  # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
+  Variant("torch-dense-compiled", "torch", "compiled"),
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.
   Variant("jax-sebp-pallas-nocond", "jax", "pallas", crossover=1.0),
   # One conditional per step instead of one per layer.
   Variant("jax-sebp-pallas-per-batch", "jax", "pallas", per_batch=True),
+  # ... and one row plan per step instead of a score read and a partition per layer.
+  Variant("jax-sebp-pallas-plan", "jax", "pallas", per_batch=True, rows=True),
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
   Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
   Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),
@@ -334,7 +355,9 @@ def _jax_value_and_grad(variant: Variant, fun: Callable[[Any, Batch], Any]) -> C
     return jax.value_and_grad(fun)
   from sebp_jax import sebp_value_and_grad
 
-  return sebp_value_and_grad(fun, lambda params, batch: jax.numpy.mean(batch["attention_mask"]),
+  mask = lambda params, batch: batch["attention_mask"]
+  return sebp_value_and_grad(fun, rows=mask if variant.rows else None,
+                             active_fraction=lambda *args: jax.numpy.mean(mask(*args)),
                              impl=variant.impl, crossover=variant.crossover)
 
 
@@ -362,6 +385,8 @@ class ModelSpec:
     torch_model: ``(device) -> torch module`` in bfloat16, whose ``forward(**batch).loss`` is the
       same loss.
     warmup, steps: default untimed and timed steps per workload.
+    paper_max_rows: the paper's fixed Top-N for this model (kept rows per layer call), if it
+      states one: BERT-base's 3456 (its §4).
   """
 
   name: str
@@ -376,6 +401,7 @@ class ModelSpec:
   jax_einsum_module: Callable[[], Any] | None = None
   warmup: int = 2
   steps: int = 10
+  paper_max_rows: int | None = None
 
 
 @dataclasses.dataclass
@@ -398,6 +424,7 @@ class Row:
   compile_count: int | None = None
   compile_s: float | None = None
   error: str | None = None
+  bwd_spread: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,12 +646,22 @@ class _TorchClock:
     return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
 
-def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict]) -> list[tuple]:
-  """Runs one training step per batch; returns its (start, forward done, backward done, end)."""
+TORCH_CROSSOVER = 0.5  # torch-sebp runs the dense backward for batches with more real tokens
+
+
+def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict],
+                 dense_steps: Sequence[bool]) -> list[tuple]:
+  """Runs one training step per batch; returns its (start, forward done, backward done, end).
+
+  ``dense_steps``: per batch, whether its forward records the dense backward
+  (:func:`sebp_torch_ref.dense_backward`, decided on the host: no device read)."""
+  from sebp_torch_ref import dense_backward
+
   marks = []
-  for batch in batches:
+  for batch, dense in zip(batches, dense_steps):
     t0 = clock.mark()
-    loss = model(**batch).loss
+    with dense_backward(dense):
+      loss = model(**batch).loss
     t1 = clock.mark()
     loss.backward()
     t2 = clock.mark()
@@ -634,41 +671,77 @@ def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict]) 
   return marks
 
 
-def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
-  """Runs ``variant`` (torch) on every workload and batch size; yields the device, then rows."""
+def torch_variant_model(spec: ModelSpec, variant: Variant, device: str):
+  """The variant's torch model: Hugging Face in bfloat16, patched or compiled as it says."""
   import torch
 
   from sebp_torch_ref import RowPolicy, apply_sebp
 
+  from benchmarks.torch_bound import free_linear_backward_
+
+  model = spec.torch_model(device)
+  if variant.impl == "bound":
+    free_linear_backward_(model)
+  elif variant.impl == "compiled":
+    model = torch.compile(model)
+  elif variant.impl != "dense":
+    max_rows = spec.paper_max_rows if variant.max_rows == "paper" else None
+    apply_sebp(model, RowPolicy(max_rows=max_rows), impl=_torch_impl(variant, device))
+  model.train()
+  return model
+
+
+def _torch_impl(variant: Variant, device: str) -> str:
+  """The backend a torch variant runs: Triton needs CUDA (or its interpreter), so elsewhere the
+  SEBP variants run the index-op backend."""
+  return "torch" if variant.impl == "triton" and device != "cuda" else variant.impl
+
+
+def torch_dense_steps(variant: Variant, batches: Sequence[Batch]) -> list[bool]:
+  """Per host batch, whether a torch SEBP variant runs that step's backward dense: more than
+  :data:`TORCH_CROSSOVER` of its tokens real. Decided from the host's copy of the batch, so the
+  crossover costs no device read."""
+  sebp = variant.impl == "triton"
+  return [sebp and float(b["attention_mask"].mean()) > TORCH_CROSSOVER for b in batches]
+
+
+def _spread(samples: Sequence[float]) -> float | None:
+  median = _median(samples)
+  return (max(samples) - min(samples)) / median if median > 0 else None
+
+
+def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
+  """Runs ``variant`` (torch) on every workload and batch size; yields the device, then rows."""
+  import torch
+
   device = "cuda" if torch.cuda.is_available() else "cpu"
   yield {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
          "platform": device}
+  if variant.max_rows == "paper" and spec.paper_max_rows is None:
+    return  # the paper states no fixed Top-N for this model
   torch.manual_seed(0)
-  model = spec.torch_model(device)
-  impl = variant.impl
-  if impl != "dense":
-    impl = impl if device == "cuda" else "torch"  # Triton needs CUDA (or its interpreter)
-    apply_sebp(model, RowPolicy(), impl=impl)
-  model.train()
+  model = torch_variant_model(spec, variant, device)
   optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
   clock = _TorchClock(torch, device)
   for batch_size in sorted(spec.batch_sizes):
     for workload in spec.workloads:
       batches, active = workload_batches(spec, workload, batch_size, settings, dynamic=False)
-      row = Row(workload.name, workload.dataset, "torch", impl, variant.name, batch_size,
-                spec.seq_len, active)
+      row = Row(workload.name, workload.dataset, "torch", _torch_impl(variant, device),
+                variant.name, batch_size, spec.seq_len, active)
+      dense_steps = torch_dense_steps(variant, batches)
       try:
         device_batches = [{k: torch.from_numpy(v).long().to(device) for k, v in b.items()}
                           for b in batches]
         if device == "cuda":
           torch.cuda.synchronize()
           torch.cuda.reset_peak_memory_stats()
-        timed = _torch_marks(model, optimizer, clock, device_batches)[settings.warmup:]
+        timed = _torch_marks(model, optimizer, clock, device_batches, dense_steps)[settings.warmup:]
         if device == "cuda":
           torch.cuda.synchronize()
           row.peak_mem_bytes = torch.cuda.max_memory_allocated()
         row.fwd_ms = _median([clock.ms(t0, t1) for t0, t1, _, _ in timed])
-        row.bwd_ms = _median([clock.ms(t1, t2) for _, t1, t2, _ in timed])
+        backward = [clock.ms(t1, t2) for _, t1, t2, _ in timed]
+        row.bwd_ms, row.bwd_spread = _median(backward), _spread(backward)
         row.opt_ms = _median([clock.ms(t2, t3) for _, _, t2, t3 in timed])
         row.step_ms = _median([clock.ms(t0, t3) for t0, _, _, t3 in timed])
       except Exception as e:  # recorded; the next workload runs
@@ -907,25 +980,26 @@ def markdown_table(result: dict) -> str:
     f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
     "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
-    "Speedups are jax-dense's time over the variant's (jax-dense-einsum's for the einsum-built "
-    "variants). "
+    "Speedups are jax-dense's time over the variant's (`python -m benchmarks.summary` gives each "
+    "framework's own; jax-dense-einsum's for the einsum-built variants). bwd spread: (max − min) / median of the torch backward over the steps. "
     f"Versions: {versions_text(result['versions'])}."
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),
     "",
     "| workload | batch | active % | variant | fwd ms | bwd ms | opt ms | step ms | bwd × "
-    "| step × | peak GB | compiles | error |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| step × | peak GB | compiles | bwd spread | error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     bwd_x, step_x = ratios[(r["workload"], r["batch"], r["variant"])]
     peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 1e9
+    spread = r.get("bwd_spread")  # torch rows; absent from older result files
     error = (r["error"] or "").replace("|", "/").replace("\n", " ")[:120]
     lines.append(
       f"| {r['workload']} | {r['batch']} | {100 * r['active_fraction']:.1f} | {r['variant']} "
       f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['opt_ms'])} "
       f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(step_x)} | {_fmt(peak)} "
-      f"| {_fmt(r['compile_count'], 'd')} | {error} |")
+      f"| {_fmt(r['compile_count'], 'd')} | {_fmt(spread, '.0%')} | {error} |")
   return "\n".join(lines) + "\n"
 
 

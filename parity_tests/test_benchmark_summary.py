@@ -26,6 +26,9 @@ RESULT = {"benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "seq_len": 6
   _row("full_length", "jax-sebp-pallas", bwd=15.3, step=30.6, mem=101, active=1.0),
   _row("a", "torch-dense", bwd=20.0, step=40.0, mem=None),
   _row("b", "torch-dense", bwd=0.0, step=0.0, mem=None, error="out of memory"),
+  _row("a", "torch-bound", bwd=4.0, step=30.0, mem=None),
+  _row("a", "torch-sebp", bwd=8.0, step=32.0, mem=None),
+  _row("b", "torch-sebp", bwd=9.0, step=33.0, mem=None),  # its dense failed: left out
 ]}
 
 
@@ -43,15 +46,22 @@ def test_variant_ranges_cover_the_padded_workloads():
   assert sebp["bwd_x"] == (2.0, 2.5)                   # 12 / 6, 10 / 4
   assert sebp["step_x"] == (1.4285714285714286, 1.5)   # 20 / 14, 24 / 16
   assert sebp["way"] == (0.75, 0.75)                   # (10-4)/(10-2), (12-6)/(12-4)
+  assert sebp["own_bwd_x"] == sebp["bwd_x"]            # jax's own dense is jax-dense
   assert sebp["mem"] == pytest.approx((0.01, 0.01))
   assert sebp["full_step"] == pytest.approx((1.02, 1.02))  # full length is kept apart
   assert ranges[(4, "jax-bound")]["way"] is None        # the bound against itself says nothing
   torch = ranges[(4, "torch-dense")]
   assert torch["bwd_x"] == (0.5, 0.5) and torch["way"] is None  # the failed row is left out
   assert torch["mem"] is None
+  torch_sebp = ranges[(4, "torch-sebp")]                # against torch's own dense and bound
+  assert torch_sebp["own_bwd_x"] == (2.5, 2.5)          # 20 / 8
+  assert torch_sebp["way"] == (0.75, 0.75)              # (20-8)/(20-4)
+  assert torch_sebp["bwd_x"] == (1.25, 1.25)            # jax-dense's 10 / 8
 
 
 def test_markdown_summary_writes_one_row_per_variant():
   text = summary.markdown_summary(RESULT)
-  assert "| 4 | jax-sebp-pallas | 2.00–2.50× | 1.43–1.50× | 75 % | +1.00 % | 1.020× |" in text
-  assert "| 4 | torch-dense | 0.50× | 0.50× | – | – | – |" in text
+  assert ("| 4 | jax-sebp-pallas | 2.00–2.50× | 1.43–1.50× | 2.00–2.50× | 75 % | +1.00 % "
+          "| 1.020× |") in text
+  assert "| 4 | torch-dense | 0.50× | 0.50× | 1.00× | – | – | – |" in text
+  assert "| 4 | torch-sebp | 1.25× | 0.62× | 2.50× | 75 % | – | – |" in text

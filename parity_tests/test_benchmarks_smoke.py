@@ -154,11 +154,13 @@ def test_free_linear_backward_reaches_the_models_tied_head():
 
 
 @pytest.mark.parametrize("name,conds,kernels", [
-  # Kernels: partition, dX and dW in the second layer; partition and dW in the first, whose
-  # input (the batch) needs no gradient.
-  ("jax-sebp-pallas", 2, 5),            # one conditional in each layer
-  ("jax-sebp-pallas-nocond", 0, 5),     # crossover=1.0: none
-  ("jax-sebp-pallas-per-batch", 1, 5),  # one for the step, none in the layers
+  # Kernels: partition, gather, dX and dW in the second layer; partition, gather and dW in the
+  # first, whose input (the batch) needs no gradient. With the row plan, no partition: the plan's
+  # permutation is made once, by XLA.
+  ("jax-sebp-pallas", 2, 7),            # one conditional in each layer
+  ("jax-sebp-pallas-nocond", 0, 7),     # crossover=1.0: none
+  ("jax-sebp-pallas-per-batch", 1, 7),  # one for the step, none in the layers
+  ("jax-sebp-pallas-plan", 1, 5),
   ("jax-dense", 0, 0),
 ])
 def test_variants_build_their_value_and_grad(name, conds, kernels):
@@ -211,12 +213,16 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
     if row["framework"] == "jax" and row["impl"] != "dynamic":
       assert row["compile_count"] == 1  # one compilation whatever the padding
     if row["framework"] == "torch":
-      assert row["impl"] in ("dense", "torch")
+      assert row["impl"] in ("dense", "torch", "bound")
+      assert row["bwd_spread"] is None or row["bwd_spread"] >= 0
 
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
-  variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp"}
-  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants)
+  variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
+              "torch-bound"}
+  # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
+  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
+                "torch-sebp-topn")
   _check_schema(result, variants, {4})
   dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
@@ -280,6 +286,25 @@ def test_merge_refuses_results_that_do_not_compare(second, message):
     merge.merge_results([first], ["a"])
   with pytest.raises(ValueError, match="`batches`"):
     merge.merge_results([first, _result("H200", ("torch-dense", 1, 1.0))], ["a", "b"], [4])
+
+
+def test_llama_torch_model_without_the_padding_mask_is_exact():
+  """Right padding under a causal mask: dropping the mask changes no loss and no gradient."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from benchmarks import llama
+
+  torch.manual_seed(0)
+  wrapped = llama.build(True).torch_model("cpu").float()
+  batch = {k: torch.from_numpy(v).long() for k, v in llama.make_batch(
+    np.array([40, 128]), 128, np.random.default_rng(0), 512).items()}
+  params = list(wrapped.model.parameters())
+  loss = wrapped(**batch).loss
+  masked_loss = wrapped.model(**batch).loss  # the Hugging Face model with the mask
+  assert batch["attention_mask"].float().mean() < 1  # the batch does pad
+  torch.testing.assert_close(loss, masked_loss, rtol=1e-6, atol=0)
+  for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(masked_loss, params)):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
 def test_einsum_built_variants_divide_their_own_dense_run():

@@ -30,6 +30,13 @@ from benchmarks import profile_step  # noqa: E402
   ("Memcpy DtoH (Device -> Pinned)", "copies"),
   ("loop_multiply_fusion_12", profile_step.OTHER),
   ("input_reduce_fusion_3", profile_step.OTHER),
+  # The torch side (benchmarks.profile_torch): the reference's Triton kernels and torch's own.
+  ("_dx_kernel", "SEBP dX"),
+  ("_split_sum_kernel", "SEBP dW"),
+  ("_compact_kernel", "SEBP partition"),
+  ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention (cuDNN)"),
+  ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >",
+   "torch elementwise, reductions"),
 ])
 def test_kernel_family_sorts_real_kernel_names(name, family):
   assert profile_step.kernel_family(name) == family

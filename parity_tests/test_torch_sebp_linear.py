@@ -13,7 +13,9 @@ The interpreter must be switched on before Triton is first imported, so on CPU
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 import os
 import subprocess
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from sebp_torch_ref import RowPolicy, apply_sebp, sebp_linear
+from sebp_torch_ref import RowPolicy, apply_sebp, dense_backward, sebp_linear
 from sebp_torch_ref.policy import keep_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -86,6 +88,32 @@ def make_output_grad(pattern: str, leading: tuple[int, ...], gen: torch.Generato
     return dy
 
 
+@functools.cache
+def cpu_bf16_gemm_spreads_nonfinite(rows: int, inner: int, cols: int) -> bool:
+    """Whether torch's own CPU bfloat16 GEMM puts NaN/Inf into rows of ``a @ b`` that have none.
+
+    A probe of the platform, not of this package: on CPUs with AMX-BF16 (torch 2.13), ``a (42,
+    29) @ b (29, 45)`` with an ``inf`` in row 1 of ``a`` and a ``nan`` in its last row comes out
+    NaN in row 0 too. The operands mirror the ``nonfinite`` pattern of :func:`make_output_grad`.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, inner, generator=gen).bfloat16()
+    a[1, 0], a[-1, min(3, inner - 1)] = math.inf, math.nan
+    product = a @ torch.randn(inner, cols, generator=gen).bfloat16()
+    clean_rows = [i for i in range(rows) if i not in (1, rows - 1)]
+    return not bool(torch.isfinite(product[clean_rows]).all())
+
+
+def _xfail_on_platform_defect(request, impl, pattern, dtype, device, rows) -> None:
+    """``impl="dense"`` is torch's own backward: where the probe shows the CPU GEMM defect, its
+    non-finite bfloat16 cases are expected to fail (and still run, so a fixed torch shows XPASS)."""
+    if (impl == "dense" and device == "cpu" and dtype == torch.bfloat16 and pattern == "nonfinite"
+            and cpu_bf16_gemm_spreads_nonfinite(rows, OUT_FEATURES, IN_FEATURES)):
+        request.applymarker(pytest.mark.xfail(
+            reason="torch's CPU bfloat16 GEMM on this CPU (AMX-BF16) spreads NaN/Inf across rows",
+            strict=False))
+
+
 def reference_grads(x, weight, bias, dy, keep):
     """float64 autograd of F.linear on the masked gradient; db from the unmasked one."""
     x64 = x.detach().double().requires_grad_()
@@ -139,8 +167,9 @@ IMPL_POLICIES = [
 @pytest.mark.parametrize("leading", LEADING_SHAPES, ids=str)
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("impl, policy", IMPL_POLICIES)
-def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device):
+def test_matches_masked_dense(impl, policy, pattern, leading, dtype, device, request):
     _skip_unavailable(impl, device)
+    _xfail_on_platform_defect(request, impl, pattern, dtype, device, math.prod(leading))
     if INTERPRET and leading != LEADING_SHAPES[1] and not policy.is_exact:
         # Rank only changes the flattening done before any backend: the (slow) interpreter runs
         # every policy at rank 3 and every rank under the exact policy.
@@ -163,6 +192,23 @@ def test_no_bias_and_non_contiguous_inputs(dtype, impl, device):
     run_and_compare(impl, device, dtype, RowPolicy(threshold=1e-3), dy, bias=False, x=x, weight=weight)
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(42, 29, 45), (42, 80, 48)])
+def test_cpu_bf16_nonfinite_rows_stay_in_their_rows(rows, out_features, in_features):
+    """The reference's CPU path keeps an Inf/NaN of a dY row in that row of dX, whatever CPU GEMM
+    torch picks (shapes where torch's own bfloat16 GEMM on AMX-BF16 CPUs does not)."""
+    gen = _generator("amx", rows, out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(rows, out_features, generator=gen).bfloat16()
+    dy[1, 0], dy[rows - 1, 3] = math.inf, math.nan
+    dx, dw = torch.autograd.grad(sebp_linear(x, weight, impl="auto"), (x, weight), dy)
+    clean = [i for i in range(rows) if i not in (1, rows - 1)]
+    assert torch.isfinite(dx[clean]).all(), "a NaN/Inf of dY spread into other rows of dX"
+    want_dx, want_dw, _ = reference_grads(x, weight, None, dy, torch.ones(rows, dtype=torch.bool))
+    assert_grad_close(dx, want_dx, torch.bfloat16)
+    assert_grad_close(dw, want_dw, torch.bfloat16)
+
+
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_frozen_weight_and_input(impl, device):
@@ -178,6 +224,19 @@ def test_frozen_weight_and_input(impl, device):
         assert (xs.grad is not None) == x_grad and (ws.grad is not None) == w_grad
         torch.testing.assert_close(bias.grad, dy.sum((0, 1)))
         bias.grad = None
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
+def test_triton_reads_wide_gradients_through_the_permutation(policy, pattern, device, monkeypatch):
+    """Gradients too wide to copy (an LM head's) are read in place through ``perm``."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    monkeypatch.setattr(kernels, "_MAX_COPIED_COLUMNS", OUT_FEATURES - 1)
+    dy = make_output_grad(pattern, (3, 13), _generator("wide", pattern, str(policy)))
+    run_and_compare("triton", device, torch.bfloat16, policy, dy)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
@@ -200,6 +259,133 @@ def test_triton_selection_matches_policy(policy, rows, dtype, device):
     perm, count = kernels.select_rows(dy, policy)
     want_perm, want_count = active_first_permutation(keep_mask(dy.cpu(), policy))
     assert torch.equal(count.cpu(), want_count) and torch.equal(perm.cpu(), want_perm)
+
+
+class _HostReads:
+    """Records the calls that read a tensor on the host, made from ``sebp_torch_ref``'s code.
+
+    The methods are wrapped on the classes (torch function modes do not reach into the autograd
+    engine's backward calls). Only the package's own frames count: the Triton interpreter reads
+    tensors on the host by design (it runs the kernels there), which says nothing about CUDA.
+    """
+
+    READS = [
+        (torch.Tensor, name) for name in (
+            "item", "cpu", "tolist", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
+            "__float__", "__index__",
+        )
+    ] + [(torch, "nonzero"), (torch, "masked_select")]
+
+    def __init__(self, monkeypatch):
+        self.reads = []
+        for owner, name in self.READS:
+            monkeypatch.setattr(owner, name, self._recording(getattr(owner, name), name))
+
+    def _recording(self, method, name):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("sebp_torch_ref"):
+                self.reads.append(f"{caller}: {name}")
+            return method(*args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=7)], ids=str)
+def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
+    """The default CUDA path never waits for the device: no ``.item()``, ``.cpu()``, ``nonzero``,
+    no tensor turned into a Python value; on CUDA also under ``set_sync_debug_mode("error")``."""
+    _skip_unavailable("triton", device)
+    gen = _generator("host-reads", str(policy))
+    dy = make_output_grad("right_pad", (3, 13), gen).to(device)
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
+    sync_check = contextlib.nullcontext()
+    if device == "cuda":
+        # Compile the kernels first: loading them is the driver's business, not this check's.
+        torch.autograd.grad(sebp_linear(x, weight, bias, policy=policy, impl="triton"), (x, weight, bias), dy)
+        torch.cuda.synchronize()
+        sync_check = _sync_debug_mode("error")
+    host_reads = _HostReads(monkeypatch)
+    with sync_check:
+        y = sebp_linear(x, weight, bias, policy=policy, impl="triton")
+        grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    monkeypatch.undo()
+    assert host_reads.reads == []
+    expected = reference_grads(x.cpu(), weight.cpu(), bias, dy.cpu(), keep_mask(dy.reshape(-1, OUT_FEATURES).cpu(), policy))
+    for got, want in zip(grads, expected):
+        assert_grad_close(got.cpu(), want, torch.float32)
+
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_backward_replays_from_a_cuda_graph(dtype):
+    """The whole backward captured once, replayed on new gradients with other active rows."""
+    gen = _generator("graph", str(dtype))
+    x = torch.randn(4, 40, IN_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    bias = torch.randn(OUT_FEATURES, generator=gen).to("cuda", dtype).requires_grad_()
+    dy_in = torch.zeros(4, 40, OUT_FEATURES, device="cuda", dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # autograd runs each backward op on its forward op's stream
+        y = sebp_linear(x, weight, bias)
+        for _ in range(2):
+            torch.autograd.grad(y, (x, weight, bias), dy_in, retain_graph=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            grads = torch.autograd.grad(y, (x, weight, bias), dy_in, retain_graph=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for pattern in ("right_pad", "all_zero", "all_active", "nonfinite"):
+        dy = make_output_grad(pattern, (4, 40), _generator("graph", pattern))
+        dy_in.copy_(dy.to("cuda", dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = keep_mask(dy_in.reshape(-1, OUT_FEATURES).cpu(), RowPolicy())
+        expected = reference_grads(x.cpu(), weight.cpu(), bias, dy_in.cpu(), keep)
+        for got, want in zip(grads, expected):
+            assert_grad_close(got.cpu(), want, dtype)
+
+
+def test_dense_backward_is_chosen_per_forward():
+    gen = _generator("crossover")
+    dy = make_output_grad("right_pad", (4, 16), gen)
+    kept = int((dy.reshape(-1, OUT_FEATURES) != 0).any(1).sum())
+    x = torch.randn(4, 16, IN_FEATURES, generator=gen, requires_grad=True)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen, requires_grad=True)
+    per_product = 2 * OUT_FEATURES * IN_FEATURES
+    for dense, rows in [(True, 64), (False, kept)]:
+        with dense_backward(dense):
+            y = sebp_linear(x, weight, impl="torch")
+        with FlopCounterMode(display=False) as counter:  # the backward runs outside the block
+            y.backward(dy)
+        assert counter.get_total_flops() == rows * per_product * 2, dense
+    with pytest.raises(TypeError, match="`enabled`"):
+        with dense_backward(torch.tensor(True)):
+            pass
+
+
+def test_host_read_check_sees_the_torch_backend_read_count(monkeypatch):
+    """The check above can fail: the ``"torch"`` backend reads ``count`` with ``.item()``."""
+    host_reads = _HostReads(monkeypatch)
+    x = torch.randn(5, IN_FEATURES, requires_grad=True)
+    torch.autograd.grad(sebp_linear(x, torch.randn(OUT_FEATURES, IN_FEATURES), impl="torch"), x,
+                        torch.randn(5, OUT_FEATURES))
+    monkeypatch.undo()
+    assert host_reads.reads == ["sebp_torch_ref.function: item"]
 
 
 def test_flops_follow_kept_rows_and_skip_frozen_weight():
@@ -236,22 +422,30 @@ def test_autocast_bf16_matches_native_autocast():
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_of_surrounding_model(backend):
+@pytest.mark.parametrize(
+    "backend, device, impl",
+    [("aot_eager", "cpu", "torch"), ("inductor", "cpu", "torch"),
+     pytest.param("inductor", "cuda", "triton", marks=CUDA.marks)],
+)
+def test_torch_compile_of_surrounding_model(backend, device, impl):
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton kernels' cases")
     gen = _generator("compile", backend)
 
     model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, 31), torch.nn.GELU(), torch.nn.Linear(31, OUT_FEATURES)
     )
+    model = model.to(device)
     patched = copy.deepcopy(model)
-    assert apply_sebp(patched, impl="torch") == 2
+    assert apply_sebp(patched, impl=impl) == 2
     compiled = torch.compile(patched, backend=backend)
-    x = torch.randn(4, 10, IN_FEATURES, generator=gen)
-    mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None]
+    x = torch.randn(4, 10, IN_FEATURES, generator=gen).to(device)
+    mask = (torch.arange(10)[None, :] < torch.tensor([3, 10, 0, 6])[:, None]).float()[..., None].to(device)
     for net in (model, compiled):
         ((net(x) * mask) ** 2).sum().backward()
+    tol = 1e-5 if device == "cpu" else 1e-4  # on CUDA the two sum in different orders
     for p, q in zip(model.parameters(), patched.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@ are kept and ``sebp_matmul`` for the contract.
 from sebp_jax.batch_crossover import sebp_value_and_grad
 from sebp_jax.linen import SEBPDense, SEBPDenseGeneral, SEBPEinsum, swap_dense
 from sebp_jax.matmul import sebp_matmul
+from sebp_jax.plan import RowPlan, row_plan
 from sebp_jax.policy import RowPolicy
 
-__all__ = ["RowPolicy", "sebp_matmul", "SEBPDense", "SEBPDenseGeneral", "SEBPEinsum", "swap_dense",
+__all__ = ["RowPolicy", "RowPlan", "row_plan", "sebp_matmul", "SEBPDense", "SEBPDenseGeneral",
+           "SEBPEinsum", "swap_dense",
            "sebp_value_and_grad"]

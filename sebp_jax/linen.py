@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from sebp_jax import contraction
 from sebp_jax.matmul import SEBPDotGeneral
+from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy
 from sebp_jax.swap_report import (SwappedLayer, SwapReport, check_where, warn_if_nothing_selected,
                                   warn_stays_dense)
@@ -174,6 +175,7 @@ def swap_dense(
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
   crossover: float | None = None,
+  rows: RowPlan | None = None,
   lax_modules: tuple[type[nn.Module], ...] = (),
 ) -> Iterator[SwapReport]:
   """Give every weight contraction traced inside the block the SEBP backward.
@@ -201,6 +203,9 @@ def swap_dense(
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
     crossover: the kept-row fraction above which the dense backward runs instead, as in
       :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
+    rows: a row plan made once per step (:func:`sebp_jax.row_plan` of the batch's mask), shared
+      by every layer whose input's leading dims are the mask's: those layers skip their score
+      read and partition. Exact policy only; see :func:`sebp_jax.sebp_matmul`.
     lax_modules: the escape hatch for libraries whose modules call ``jax.lax.dot_general``
       themselves (Hugging Face's Flax GPT-2 ``FlaxConv1D``): while the ``__call__`` of a selected
       instance of one of these classes runs, ``jax.lax.dot_general`` is the SEBP one (the
@@ -221,7 +226,7 @@ def swap_dense(
   >>> [(layer.path, layer.kind, layer.kernel_shape) for layer in report]
   [(('layers_2',), 'Dense', (8, 2))]
   """
-  with _swap(SEBPDotGeneral(policy, impl, crossover), where, lax_modules,
+  with _swap(SEBPDotGeneral(policy, impl, crossover, rows), where, lax_modules,
              "swap_dense") as report:
     yield report
 
@@ -357,12 +362,12 @@ def _intercept(next_fun, args, kwargs, context):
   if reason is not None:
     out = next_fun(*args, **kwargs)
   elif kind == "Einsum":
-    out = _einsum(module, *args, dot_general=swap.dot_general, **kwargs)
+    out = _einsum(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
   elif kind == "Embed.attend":
-    out = _embed_attend(module, *args, dot_general=swap.dot_general, **kwargs)
+    out = _embed_attend(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
   else:
     # Dense and DenseGeneral read their `dot_general` field in __call__: set it for this call.
-    object.__setattr__(module, "dot_general", swap.dot_general)
+    object.__setattr__(module, "dot_general", _named(swap.dot_general, path))
     try:
       out = next_fun(*args, **kwargs)
     finally:
@@ -382,12 +387,20 @@ def _intercept_lax_module(module, next_fun, args, kwargs):
                if isinstance(module, s.lax_modules) and s.selects(path)), None)
   if swap is None:
     return next_fun(*args, **kwargs)
-  with _lax_dot_general_through(swap.dot_general):
+  with _lax_dot_general_through(_named(swap.dot_general, path)):
     out = next_fun(*args, **kwargs)
   kernel = module.get_variable("params", "kernel")
   shape = () if kernel is None else tuple(jnp.shape(nn.unbox(kernel)))
   swap.report.add(SwappedLayer(path, f"{type(module).__name__} (lax.dot_general)", shape))
   return out
+
+
+def _named(dot_general: Callable[..., jax.Array], path: ModulePath) -> Callable[..., jax.Array]:
+  """``dot_general`` naming the layer at ``path``: a checking row plan names the layer it
+  catches."""
+  if isinstance(dot_general, SEBPDotGeneral) and dot_general.rows is not None:
+    return dataclasses.replace(dot_general, name="/".join(path) or "<root>")
+  return dot_general
 
 
 def _einsum_str(module: nn.Einsum, args, kwargs) -> str:

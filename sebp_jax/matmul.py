@@ -19,6 +19,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from sebp_jax import contraction
 from sebp_jax.backends import xla as xla_backend
+from sebp_jax.plan import RowPlan, check_plan_covers
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
@@ -83,34 +84,48 @@ def _check_operands(x, kernel, bias) -> None:
       f"sebp_matmul: `bias` must have shape ({kernel.shape[1]},), got {bias.shape}.")
 
 
+def _check_rows(rows, policy: RowPolicy) -> None:
+  if rows is None:
+    return
+  if not isinstance(rows, RowPlan):
+    raise TypeError(f"sebp_matmul: `rows` must be a RowPlan (sebp_jax.row_plan(mask)) or None, "
+                    f"got {type(rows).__name__}.")
+  if not policy.is_exact:
+    raise ValueError(f"sebp_matmul: a row plan (`rows`) replaces the policy's selection; it "
+                     f"needs the exact policy RowPolicy(), got {policy}.")
+
+
 def _forward(x, kernel, precision):
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, x, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name, x, kernel, plan):
   return _forward(x, kernel, precision)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, x, kernel):
+def _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision)
   saved_x = x.value if kernel.perturbed else None
   saved_kernel = kernel.value if x.perturbed else None
-  return y, (saved_x, saved_kernel)
+  plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
+  return y, (saved_x, saved_kernel, plan)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, residuals, dy):
-  saved_x, saved_kernel = residuals
+def _sebp_product_bwd(policy, impl, crossover, precision, name, residuals, dy):
+  saved_x, saved_kernel, plan = residuals
   if isinstance(dy, SymbolicZero):
-    return None, None
+    return None, None, None
   x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
   dy2d = dy.reshape(-1, dy.shape[-1])
+  if plan is not None and plan.check:
+    check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
   dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
-                                       precision=precision)
+                                       precision=precision, plan=plan)
   dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
-  return dx, dw
+  return dx, dw, None
 
 
 _sebp_product.defvjp(_sebp_product_fwd, _sebp_product_bwd, symbolic_zeros=True)
@@ -121,26 +136,26 @@ def _product_into(x, kernel, precision, out_dtype):
                          preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _sebp_product_into(out_dtype, policy, impl, crossover, precision, x, kernel):
-  """``_sebp_product`` whose forward returns ``out_dtype`` (``preferred_element_type``): the
-  product is rounded once, to ``out_dtype``, not first to the operands' dtype."""
-  return _product_into(x, kernel, precision, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _sebp_product_into(dtypes, policy, impl, crossover, precision, name, x, kernel, plan):
+  """``_sebp_product`` whose forward returns ``dtypes[1]`` (``preferred_element_type``) from
+  operands of dtype ``dtypes[0]``: the product is rounded once, to ``dtypes[1]``."""
+  return _product_into(x, kernel, precision, dtypes[1])
 
 
-def _sebp_product_into_fwd(out_dtype, policy, impl, crossover, precision, x, kernel):
+def _sebp_product_into_fwd(dtypes, policy, impl, crossover, precision, name, x, kernel, plan):
   # The residuals are `_sebp_product`'s; the product it computes too is unused, and XLA drops it.
-  _, residuals = _sebp_product_fwd(policy, impl, crossover, precision, x, kernel)
-  return _product_into(x.value, kernel.value, precision, out_dtype), residuals
+  _, residuals = _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan)
+  return _product_into(x.value, kernel.value, precision, dtypes[1]), residuals
 
 
-def _sebp_product_into_bwd(out_dtype, policy, impl, crossover, precision, residuals, dy):
+def _sebp_product_into_bwd(dtypes, policy, impl, crossover, precision, name, residuals, dy):
   if isinstance(dy, SymbolicZero):
-    return None, None
+    return None, None, None
   # The backends take one dtype: `dy` is rounded to the operands' (the dense backward would
-  # multiply it in `out_dtype`); the products still accumulate in float32.
-  dtype = next(r.dtype for r in jax.tree.leaves(residuals))
-  return _sebp_product_bwd(policy, impl, crossover, precision, residuals, dy.astype(dtype))
+  # multiply it in the output's); the products still accumulate in float32.
+  return _sebp_product_bwd(policy, impl, crossover, precision, name, residuals,
+                           dy.astype(dtypes[0]))
 
 
 _sebp_product_into.defvjp(_sebp_product_into_fwd, _sebp_product_into_bwd, symbolic_zeros=True)
@@ -155,6 +170,8 @@ def sebp_matmul(
   impl: str = "auto",
   precision: Any = None,
   crossover: float | None = None,
+  rows: RowPlan | None = None,
+  name: str | None = None,
   preferred_element_type: Any = None,
 ) -> jax.Array:
   """``x @ kernel + bias`` with the SEBP backward.
@@ -178,6 +195,11 @@ def sebp_matmul(
       BERT-base step), so training on short sequences that never cross is faster without it
       (:func:`sebp_jax.sebp_value_and_grad` decides once per step instead). The ``xla`` backend
       has its own capacity switch and ignores it.
+    rows: a :class:`sebp_jax.RowPlan` (:func:`sebp_jax.row_plan`): the kept rows decided once
+      per step from the batch's mask, so the backward skips its score read and partition; the
+      result is the dense backward of ``dy * plan[:, None]``. Exact policy only. Ignored (``dy``
+      scored as usual) when ``x``'s leading dims are not the plan's.
+    name: the layer's name in the errors of a checking plan (``row_plan(..., check=True)``).
     preferred_element_type: the output's dtype, as in ``lax.dot_general`` (e.g. float32 from
       bfloat16 operands: the product is not rounded to bfloat16); ``None``: the operands'
       promoted dtype. The backward still runs in the operands' dtype, with float32
@@ -198,6 +220,7 @@ def sebp_matmul(
   if not isinstance(policy, RowPolicy):
     raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
   _check_crossover(crossover)
+  _check_rows(rows, policy)
   impl = resolve_impl(impl)
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
@@ -206,10 +229,13 @@ def sebp_matmul(
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if impl == "dense":
     y = _product_into(x, kernel, precision, out_dtype)
-  elif out_dtype == dtype:
-    y = _sebp_product(policy, impl, crossover, precision, x, kernel)
   else:
-    y = _sebp_product_into(out_dtype, policy, impl, crossover, precision, x, kernel)
+    plan = rows if rows is not None and rows.applies_to(x) else None
+    if out_dtype == dtype:
+      y = _sebp_product(policy, impl, crossover, precision, name, x, kernel, plan)
+    else:
+      y = _sebp_product_into((dtype, out_dtype), policy, impl, crossover, precision, name, x,
+                             kernel, plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
@@ -243,6 +269,8 @@ class SEBPDotGeneral:
   policy: RowPolicy = RowPolicy()
   impl: str = "auto"
   crossover: float | None = None
+  rows: RowPlan | None = None
+  name: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.policy, RowPolicy):
@@ -250,6 +278,7 @@ class SEBPDotGeneral:
     # Reject an unknown impl or a bad crossover when the layer is built, not when it first runs.
     resolve_impl(self.impl)
     _check_crossover(self.crossover)
+    _check_rows(self.rows, self.policy)
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                *, out_sharding=None):
@@ -261,7 +290,7 @@ class SEBPDotGeneral:
                              out_sharding=out_sharding)
     x, w = view.operands(lhs, rhs)
     y = view.result(sebp_matmul(x, w, policy=self.policy, impl=self.impl, precision=precision,
-                                crossover=self.crossover,
+                                crossover=self.crossover, rows=self.rows, name=self.name,
                                 preferred_element_type=preferred_element_type))
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)

@@ -4,8 +4,8 @@ The forward of a linear layer is unchanged; its backward runs on the rows of the
 that a :class:`RowPolicy` keeps (DESIGN §2). Imports nothing from ``sebp_jax``.
 """
 
-from .function import sebp_linear
+from .function import dense_backward, sebp_linear
 from .patch import SEBPLinear, apply_sebp
 from .policy import RowPolicy
 
-__all__ = ["RowPolicy", "SEBPLinear", "apply_sebp", "sebp_linear"]
+__all__ = ["RowPolicy", "SEBPLinear", "apply_sebp", "dense_backward", "sebp_linear"]

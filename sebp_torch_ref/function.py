@@ -6,24 +6,57 @@ backward of the masked gradient ``dY * keep[:, None]``; ``db`` is always the ful
 ``dY``. Backends (``impl``):
 
 * ``"triton"``: the kernels of :mod:`sebp_torch_ref.kernels` (CUDA, or CPU under
-  ``TRITON_INTERPRET=1``); no host synchronisation.
+  ``TRITON_INTERPRET=1``): no host synchronisation, no data-dependent shape, so the backward can
+  be captured in a CUDA graph.
 * ``"torch"``: ``index_select`` + ``mm`` + ``index_copy`` on any device (reads ``count`` once).
 * ``"dense"``: the plain backward, for A/B runs.
 * ``"auto"``: ``"triton"`` on CUDA, ``"torch"`` elsewhere.
+
+The dense crossover is decided once per step on the host, from what the data loader knows about
+the batch (:func:`dense_backward`), never from a device value: with most rows real, the plain
+backward (cuBLAS) is faster than any row selection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
 
 from .policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["IMPLS", "sebp_linear"]
+__all__ = ["IMPLS", "dense_backward", "sebp_linear"]
 
 IMPLS = ("auto", "triton", "torch", "dense")
+
+_DENSE_BACKWARD = contextvars.ContextVar("sebp_dense_backward", default=False)
+
+
+@contextlib.contextmanager
+def dense_backward(enabled: bool = True):
+    """Inside, every :func:`sebp_linear` forward records the plain dense backward (``impl="dense"``).
+
+    The per-step crossover: decide from the batch, on the host, whether this step's backward is
+    dense, e.g. ``with dense_backward(real_tokens / padded_tokens > 0.5): loss = model(**batch)``
+    with the token counts the data loader knows. It is the forward that records the choice, so the
+    ``backward()`` call may sit outside the block.
+
+    Args:
+        enabled: a Python ``bool``; ``False`` leaves every layer's own ``impl``. A tensor is refused:
+            reading it would synchronise with the device, which this choice exists to avoid.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            f"dense_backward: `enabled` must be a Python bool decided on the host, got "
+            f"{type(enabled).__name__}."
+        )
+    token = _DENSE_BACKWARD.set(enabled or _DENSE_BACKWARD.get())
+    try:
+        yield
+    finally:
+        _DENSE_BACKWARD.reset(token)
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -39,22 +72,29 @@ def _masked_grads(
     """``dX (M, K)`` and ``dW (N, K)`` of the masked gradient, each only if needed."""
     if impl == "dense":
         return (dy @ weight if need_x else None), (dy.t() @ x if need_w else None)
-    if impl == "triton":
-        from . import kernels  # Triton is needed only here (and may be absent elsewhere).
-
-        perm, count = kernels.select_rows(dy, policy)
-        dx = kernels.sebp_dx(dy, weight, perm, count) if need_x else None
-        dw = kernels.sebp_dw(dy, x, perm, count, x.dtype) if need_w else None
-        return dx, dw
     perm, count = active_first_permutation(keep_mask(dy, policy))
     kept = perm[: int(count.item())].long()
     dy_kept = dy.index_select(0, kept)
     dx = dw = None
     if need_x:
-        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, dy_kept @ weight)
+        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, _matmul(dy_kept, weight))
     if need_w:
-        dw = dy_kept.t() @ x.index_select(0, kept)
+        dw = _matmul(dy_kept.t(), x.index_select(0, kept))
     return dx, dw
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` accumulated in float32 and rounded once to ``a``'s dtype.
+
+    On CPU, 16-bit operands are widened to float32 first: torch's own CPU bfloat16 GEMM on CPUs
+    with AMX-BF16 spreads a NaN/Inf of one row of ``a`` into other rows of the product (seen with
+    torch 2.13 on (42, 29) @ (29, 45)), which would put NaN into rows the contract keeps finite.
+    Products of 16-bit floats are exact in float32, so this is the contract's float32
+    accumulation. CUDA GEMMs accumulate 16-bit operands in float32 already.
+    """
+    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
 
 
 class _SEBPLinearFunction(torch.autograd.Function):
@@ -77,6 +117,15 @@ class _SEBPLinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
         dy = dy.to(ctx.dtype)
+        if ctx.impl == "triton":
+            from . import kernels  # Triton is needed only here (and may be absent elsewhere).
+
+            # One read of dY gives the row selection and db's partial sums.
+            dx, dw, db = kernels.sebp_grads(
+                dy, x if need_w else None, weight if need_x else None, ctx.policy,
+                ctx.bias_dtype if need_b else None,
+            )
+            return dx, dw, db, None, None
         db = dy.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if need_b else None
         dx = dw = None
         if need_x or need_w:
@@ -112,7 +161,8 @@ def _check_args(x, weight, bias, policy, impl) -> None:
             raise TypeError(f"sebp_linear: `{name}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
 
 
-@torch.compiler.disable  # Data-dependent selection: run eagerly, a graph break under torch.compile.
+# The Triton launches and the autograd.Function run eagerly: a graph break under torch.compile.
+@torch.compiler.disable
 def sebp_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -140,7 +190,7 @@ def sebp_linear(
     ``F.linear``, so float32 master weights get float32 gradients.
     """
     _check_args(x, weight, bias, policy, impl)
-    impl = _resolve_impl(impl, x.device)
+    impl = "dense" if _DENSE_BACKWARD.get() else _resolve_impl(impl, x.device)
     if impl == "triton":
         from . import kernels
 
