@@ -512,3 +512,36 @@ def test_lax_modules_route_their_own_lax_dot_general_calls(impl):
   with pytest.raises(TypeError, match="`lax_modules` must be a tuple of flax.linen Module"):
     with swap_dense(lax_modules=LaxConv1D):
       pass
+
+
+class PerTokenStack(nn.Module):
+  """DenseGeneral to heads, an Einsum back, an Einsum MLP: no layer mixes tokens, so padded
+  tokens' output-gradient rows are zero in every layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.DenseGeneral((2, 4), name="up")(x)
+    x = x + nn.Einsum((2, 4, 8), "BTNH,NHD->BTD", name="down")(nn.gelu(h))
+    return nn.Einsum((8, 3), "...D,DF->...F", name="head")(x)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_row_plan_reaches_general_contractions(impl):
+  from sebp_jax import row_plan
+
+  rng = np.random.default_rng(8)
+  mask = jnp.asarray(np.arange(7) < np.array([[7], [3]]))
+  x = jnp.asarray(rng.standard_normal((2, 7, 8)), jnp.float32) * mask[..., None]
+  model = PerTokenStack()
+  params = model.init(jax.random.key(0), x)
+  loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)) * mask[..., None])  # noqa: E731
+  want = jax.grad(loss)(params)
+
+  def planned(p):
+    with swap_dense(impl=impl, rows=row_plan(mask, check=True)) as report:
+      out = loss(p)
+    assert len(report) == 3
+    return out
+
+  assert count_sebp_rules(jax.make_jaxpr(planned)(params)) == 3
+  _assert_trees_close(jax.grad(planned)(params), want, "grad")
