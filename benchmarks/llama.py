@@ -2,6 +2,7 @@
 
 The exact Llama-3.2-3B architecture (28 layers, hidden 3072, GQA 24/8 heads, tied 128,256-token
 embeddings, llama3 RoPE scaling) with random bfloat16 weights, context 4096, batch 1 and 4.
+The ``-einsum`` variants run the same model built from Gemma-style ``nn.Einsum`` layers.
 Workloads: the real token lengths of PIQA, SIQA, CommonsenseQA and OpenBookQA training texts
 (prompt, options and answer; SmolLM2's LLaMA-architecture tokenizer,
 :data:`benchmarks.workloads.LENGTHS_FILE`), and ``full_length``: every row real, where SEBP has
@@ -63,6 +64,13 @@ def _jax_module(config):
   from sebp_jax.models import LlamaForCausalLM
 
   return LlamaForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+
+def _jax_einsum_module(config):
+  """The same model from Gemma-style ``nn.Einsum`` layers (``projections="einsum"``)."""
+  import dataclasses
+
+  return _jax_module(dataclasses.replace(config, projections="einsum"))
 
 
 def _jax_loss(module, params: Any, batch: dict) -> Any:
@@ -143,6 +151,7 @@ def build(tiny: bool, layers: int | None = None) -> ModelSpec:
     workloads=workloads,
     make_batch=lambda lengths, seq_len, rng: make_batch(lengths, seq_len, rng, config.vocab_size),
     jax_module=lambda: _jax_module(config),
+    jax_einsum_module=lambda: _jax_einsum_module(config),
     jax_loss=_jax_loss,
     torch_model=lambda device: _torch_model(config, device),
     # Steps of a 3B model last 0.1-1 s and vary little; compiling dominates the run anyway.

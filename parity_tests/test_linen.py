@@ -243,7 +243,11 @@ def _sebp_layers(where, x, mask, **swap_kwargs) -> list[str]:
 ], ids=["all", "mlp", "not_head", "none"])
 def test_swap_dense_where_selects_layers(where, expected):
   x, mask, _ = _padded_batch(2)
-  assert sorted(_sebp_layers(where, x, mask)) == sorted(expected)
+  if expected:
+    assert sorted(_sebp_layers(where, x, mask)) == sorted(expected)
+  else:
+    with pytest.warns(UserWarning, match="`where` selected none of the 7 layer"):
+      assert _sebp_layers(where, x, mask) == []
 
 
 def test_swap_dense_where_gets_module_paths():
@@ -274,7 +278,8 @@ def test_swap_dense_is_undone_on_exit():
   jaxpr = jax.make_jaxpr(lambda *args: _loss(*args))(
     _block_params(), x, mask, jnp.zeros(mask.shape, jnp.int32))
   assert count_primitive(jaxpr, "custom_vjp_call") == 0
-  assert _sebp_layers(lambda path: False, x, mask) == []
+  with pytest.warns(UserWarning, match="`where` selected none"):
+    assert _sebp_layers(lambda path: False, x, mask) == []
 
 
 @pytest.mark.parametrize("impl", IMPLS)
