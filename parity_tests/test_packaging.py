@@ -82,23 +82,19 @@ def test_extras_users_install():
 
 
 def test_sebp_jax_imports_without_torch():
-  """Every module of sebp_jax imports with the torch stack made unimportable."""
-  blocked = ", ".join(repr(name) for name in TORCH_STACK)
-  script = textwrap.dedent(f"""
+  """Importing every module of sebp_jax loads nothing of the torch stack (it is imported only
+  inside the functions that convert torch models)."""
+  script = textwrap.dedent("""
       import importlib, pkgutil, sys
-
-      class Block:
-        def find_spec(self, name, path=None, target=None):
-          if name.split(".")[0] in ({blocked},):
-            raise ImportError(f"{{name}} is blocked: sebp_jax must not import it at import time")
-
-      sys.meta_path.insert(0, Block())
       import sebp_jax
       for module in pkgutil.walk_packages(sebp_jax.__path__, "sebp_jax."):
         importlib.import_module(module.name)
-      assert not any(name.split(".")[0] in ({blocked},) for name in sys.modules)
+      print(" ".join(sorted({name.split(".")[0] for name in sys.modules})))
       """)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
   result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
+  loaded = set(result.stdout.split())
+  assert "sebp_jax" in loaded
+  assert not loaded & set(TORCH_STACK), f"importing sebp_jax loads {loaded & set(TORCH_STACK)}"
