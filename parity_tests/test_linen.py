@@ -475,9 +475,9 @@ def test_sebp_value_and_grad_compiles_one_conditional_per_call(crossover, conds)
                            impl="interpret")
   jaxpr = jax.make_jaxpr(fn)(*args)
   assert count_primitive(jaxpr, "cond") == conds
-  # Pallas kernels in the backward of every layer: the partition plus the dX and dW kernels
-  # (the head's dX too: its input is the block's output, which carries a gradient).
-  assert count_primitive(jaxpr, "pallas_call") == 3 * len(LAYERS)
+  # Pallas kernels in the backward of every layer: the partition, the gather and the dX and dW
+  # kernels (the head's dX too: its input is the block's output, which carries a gradient).
+  assert count_primitive(jaxpr, "pallas_call") == 4 * len(LAYERS)
   per_layer = sebp_value_and_grad(lambda *a: _loss(*a), _real_fraction, crossover=1.0,
                                   impl="interpret")
   with swap_dense(impl="interpret"):  # the per-layer way: one conditional in every layer
