@@ -10,7 +10,8 @@
 
 Real token lengths (:mod:`benchmarks.workloads`; ``--workloads`` chooses them), bfloat16, random
 weights. Each device count has a 1-D mesh ``"data"`` over the first GPUs, batches split along it,
-and the SEBP layers told so (:func:`sebp_jax.sharded_rows`). Times are medians of wall-clock
+and the SEBP layers told so (:func:`sebp_jax.sharded_rows`). Every device gets the one-device
+run's sequences, so the device counts differ in nothing but the devices. Times are medians of wall-clock
 times of three jitted programs, as in :mod:`benchmarks.workloads`: ``fwd`` (the loss), ``grad``
 (loss and gradients; ``bwd = grad - fwd``) and ``step`` (gradients and the AdamW update).
 
@@ -157,8 +158,10 @@ def run_model(case: ModelCase, spec: ModelSpec, per_device: int, device_counts: 
       params = place(host_params)
       opt_state = place(jax.jit(optimizer.init)(params))
       for workload in spec.workloads:
-        batches, active = workload_batches(spec, workload, per_device * devices, settings,
-                                           dynamic=False)
+        batches, active = workload_batches(spec, workload, per_device, settings, dynamic=False)
+        # Every device gets the same sequences as the one-device run: the comparison then
+        # measures what going to N devices costs, not a different draw of lengths.
+        batches = [{k: np.concatenate([v] * devices) for k, v in b.items()} for b in batches]
         row = Row(case.name, parallelism, devices, per_device, workload.name, active, variant)
         if time.perf_counter() > deadline:
           row.error = "skipped: --time-budget spent"
