@@ -48,14 +48,6 @@ def _selection(dy):
   return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
 
 
-def _kernels(x, w, dy, perm, count, *, config):
-  """Gather, dX and dW on a ready partition: the kernels' own time."""
-  dyc, xc = pallas_backend.gather_pallas([dy, x], perm, count,
-                                         block_m=max(config.dx_m, config.dw_m))
-  return (pallas_backend.dx_pallas(dyc, w, perm, count, config=config),
-          pallas_backend.dw_pallas(xc, dyc, count, config=config))
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", default=["bert_up", "bert_down"])
@@ -97,7 +89,7 @@ def main() -> None:
         timings[name] = device_time_ms(fn, [s[:3] for s in sets])
         if args.kernels:
           timings[name + "/kernels"] = device_time_ms(
-            functools.partial(_kernels, config=config),
+            functools.partial(pallas_backend.sparse_backward, config=config),
             [(*s[:3], *_selection(s[2])) for s in sets])
         if max(errors) > 2e-2:
           print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)

@@ -208,15 +208,17 @@ def sebp_matmul(
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
   dtype = jnp.result_type(x, kernel)
-  out_dtype = dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  # `None` where the output keeps the operands' dtype: the plain product, one static argument.
+  out_dtype = (None if preferred_element_type is None
+               or jnp.dtype(preferred_element_type) == dtype else jnp.dtype(preferred_element_type))
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if impl == "dense":
-    y = _forward(x, kernel, precision, None if out_dtype == dtype else out_dtype)
+    y = _forward(x, kernel, precision, out_dtype)
   else:
     plan = rows if rows is not None and rows.applies_to(x) else None
     # The sebp_jax.sharded_rows in effect now, when the forward is traced.
     y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(),
-                      None if out_dtype == dtype else out_dtype, x, kernel, plan)
+                      out_dtype, x, kernel, plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.

@@ -43,7 +43,7 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "with_dw_split", "backward", "partition_pallas", "gather_pallas",
+__all__ = ["BlockConfig", "block_config", "with_dw_split", "backward", "sparse_backward", "partition_pallas", "gather_pallas",
            "dx_pallas", "dw_pallas"]
 
 
@@ -92,8 +92,9 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
-  ("hopper", 4, "narrow"): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
-  ("hopper", 4, "wide"): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
+  # float32: one entry for both classes (not re-tuned for v5).
+  **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
+     for shape_class in ("narrow", "wide")},
 }
 _WIDE_WEIGHT = 3072 * 3072
 _WIDE_ROWS = 16384
@@ -459,8 +460,10 @@ def _row_block(config: BlockConfig) -> int:
   return max(config.dx_m, config.dw_m)
 
 
-def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret):
-  """Compact the kept rows, then both products; operands padded to whole tiles where needed."""
+def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
+                    interpret: bool = False):
+  """Compact the kept rows, then both products, on a ready partition ``(perm, count)``; operands
+  padded to whole tiles where needed."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -516,7 +519,7 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
   else:
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
-  sparse = functools.partial(_sparse_backward, config=config, precision=precision,
+  sparse = functools.partial(sparse_backward, config=config, precision=precision,
                              interpret=interpret)
   dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision,
                             planned=plan is not None)
