@@ -59,9 +59,10 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
 # dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none.
 # dx_split=3 over the first 32 kept rows: the N loop (4 steps of 16 once N is padded to 64) is
 # shared 2 / 2 / 0, and counts fall below, on and past those rows; with 128 split rows every row
-# of the 80 padded ones is split, and no unsplit kernel runs at all.
+# of the 80 padded ones is split, and no unsplit kernel runs at all. compact=False: no gather, the
+# GEMMs read the kept rows in place and mask the positions past count (also with dW split).
 SPLITS = [dict(dw_split=1), dict(dw_split=3), dict(dx_split=3, dx_split_rows=32),
-          dict(dx_split=2, dx_split_rows=128)]
+          dict(dx_split=2, dx_split_rows=128), dict(compact=False, dw_split=2)]
 
 
 def _split_id(split: dict) -> str:
@@ -168,6 +169,13 @@ def test_block_table_shrinks_to_small_layers():
   assert config.dw_n == 128  # 300 columns keep the table's tile
 
 
+@pytest.mark.parametrize("out_features,compact", [(3072, True), (16383, True), (16384, False),
+                                                  (128256, False)])
+def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
+  # A compacted copy of a vocabulary-wide dy would add a dy-sized buffer to the peak memory.
+  assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
+
+
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
                                              (132, 4, 4)])
 def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
@@ -179,8 +187,9 @@ def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
-@pytest.mark.parametrize("split", [dict(), dict(dw_split=3), dict(dx_split=4)],
-                         ids=["plain", "dw_split", "dx_split"])
+@pytest.mark.parametrize("split", [dict(), dict(dw_split=3), dict(dx_split=4),
+                                   dict(compact=False)],
+                         ids=["plain", "dw_split", "dx_split", "in_place"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   # The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
   # catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
@@ -196,8 +205,8 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, gather, dX and dW; one more for the split dX tiles.
-  expected = 5 if split.get("dx_split", 1) > 1 else 4
+  # Partition, gather, dX and dW; one more for the split dX tiles, one fewer without the gather.
+  expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 

@@ -9,7 +9,10 @@ The plan (DESIGN §5, v5: compact first):
   second launch carries offsets between programs);
 * **gather kernel**: copies the kept rows of ``x`` and ``dy`` into contiguous buffers ``xc`` and
   ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). Programs past ``count`` copy
-  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask;
+  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask.
+  Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
+  ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
+  so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
 * **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile multiplies
   contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of ``dx``; a tile
   past ``count`` stores zeros there, without reading anything. Every row of ``dx`` is written
@@ -58,8 +61,11 @@ class BlockConfig:
   the grouped tile order. ``dx_split > 1``: the dX tiles of the first ``dx_split_rows`` kept rows
   are computed by ``dx_split`` programs each, sharing the loop over ``N`` (their float32 partial
   tiles summed by XLA and scattered to the rows): with few kept rows only a few row blocks have
-  work, and each would otherwise stream its whole ``N`` alone. ``crossover``: the kept-row
-  fraction above which the dense backward runs instead.
+  work, and each would otherwise stream its whole ``N`` alone. ``compact``: copy the kept rows
+  into contiguous buffers before the GEMMs (``False``: the GEMMs read them in place through the
+  permutation; :func:`block_config` chooses that for vocabulary-wide layers, where the copy would
+  add a ``dy``-sized buffer to the peak memory). ``crossover``: the kept-row fraction above which
+  the dense backward runs instead.
   """
 
   dx_m: int = 64
@@ -77,6 +83,7 @@ class BlockConfig:
   dw_split: int = 1
   dx_split: int = 1
   dx_split_rows: int = 128
+  compact: bool = True
   crossover: float = 0.4
 
 
@@ -98,6 +105,11 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
 }
 _WIDE_WEIGHT = 3072 * 3072
 _WIDE_ROWS = 16384
+# Layers with at least this many output columns (a vocabulary: LLaMA-3's 128,256, BERT's 30,522)
+# are not compacted: their GEMMs read the kept rows in place. With few kept rows the copy saves
+# those GEMMs little, and it would hold a `dy`-sized buffer at the peak of the step (LLaMA-3.2-3B
+# at batch 1: +1.5 GB, +4 % of dense's peak, results/einsum_h100/llama_b1_einsum_h100.md).
+_IN_PLACE_COLUMNS = 16384
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
@@ -155,7 +167,7 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
     dx_n=_fit(base.dx_n, out_features),
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
-    dw_n=_fit(base.dw_n, out_features),
+    dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
   return with_dw_split(config, in_features, out_features)
 
@@ -319,12 +331,29 @@ def _split_share(total, split: int, part):
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
 
 
+def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
+  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
+  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
+  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
+  if compact:
+    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
+  rows = perm_ref[pl.ds(start, block_m)]
+  valid = (start + jnp.arange(block_m) < count)[:, None]
+
+  def load(ref, cols):
+    tile = ref[rows, cols]
+    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+
+  return load
+
+
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               first_block: int = 0, split: int = 1):
+               compact: bool = True, first_block: int = 0, split: int = 1):
   """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, ``block`` counted from
   ``first_block``. With ``split > 1``, this program's share of the loop over ``N`` instead: a
-  float32 partial tile at ``dx[part, block]``, in ``perm`` order."""
+  float32 partial tile at ``dx[part, block]``, in ``perm`` order. ``dyc``: the compacted ``dy``,
+  or ``dy`` itself when not ``compact``."""
   col_blocks = kernel_ref.shape[0] // block_k
   row_blocks = dx_ref.shape[-2] // block_m - (first_block if split == 1 else 0)
   row_block, col_block = _grouped_tile(pl.program_id(0), row_blocks, col_blocks, group)
@@ -333,15 +362,16 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
   cols = pl.ds(col_block * block_k, block_k)
   total = dyc_ref.shape[1] // block_n
   first_step, share = (0, total) if split == 1 else _split_share(total, split, pl.program_id(1))
+  load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
   def step(n, acc):
     span = pl.ds((first_step + n) * block_n, block_n)
-    return acc + lax.dot_general(dyc_ref[pl.ds(start, block_m), span], kernel_ref[cols, span],
+    return acc + lax.dot_general(load_dy(dyc_ref, span), kernel_ref[cols, span],
                                  DX_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
   # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
-  # stays a plain pipelined loop, and loaded tiles go to the dot untouched (rows of the last
+  # stays a plain pipelined loop, and compacted tiles go to the dot untouched (rows of the last
   # block past `count` are zero in `dyc`).
   # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
   steps = (start < count).astype(jnp.int32) * share
@@ -352,23 +382,27 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
     dx_ref[pl.program_id(1), pl.ds(start, block_m), cols] = acc
 
 
-def _dw_kernel(count_ref, xc_ref, dyc_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, group: int, split: int, precision):
-  """One ``(block_k, block_n)`` tile of ``dw``, summed over the compacted kept rows only (over
-  this program's share of them when ``split > 1``: a partial tile at ``dw[part]``)."""
+def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
+               block_m: int, block_k: int, block_n: int, group: int, split: int, precision,
+               compact: bool = True):
+  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[part]``). ``xc``, ``dyc``:
+  the compacted ``x`` and ``dy``, or the originals when not ``compact``."""
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
   k_block, n_block = _grouped_tile(pl.program_id(0), k_blocks, n_blocks, group)
   k_span = pl.ds(k_block * block_k, block_k)
   n_span = pl.ds(n_block * block_n, block_n)
 
+  count = count_ref[0]
+
   def step(t, acc):
-    rows = pl.ds(t * block_m, block_m)
-    return acc + lax.dot_general(xc_ref[rows, k_span], dyc_ref[rows, n_span], DW_DIMS,
+    load = _kept_rows(perm_ref, count, t * block_m, block_m, compact=compact)
+    return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
                                  precision=precision, preferred_element_type=jnp.float32)
 
   # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  first, steps = _split_share(pl.cdiv(count_ref[0], block_m), split, pl.program_id(1))
+  first, steps = _split_share(pl.cdiv(count, block_m), split, pl.program_id(1))
   acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
                       jnp.zeros((block_k, block_n), jnp.float32))
   if split == 1:
@@ -389,8 +423,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   Args:
-    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), ``M % dx_m == 0``
-      and ``N % dx_n == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
+      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
     kernel: ``(K, N)`` with ``K % dx_k == 0``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
@@ -400,7 +434,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   num_rows, _ = dyc.shape
   in_features = kernel.shape[0]
   tile = dict(block_m=config.dx_m, block_k=config.dx_k, block_n=config.dx_n,
-              group=config.dx_group, precision=precision)
+              group=config.dx_group, precision=precision, compact=config.compact)
   launch = functools.partial(_launch, warps=config.dx_warps, stages=config.dx_stages,
                              interpret=interpret)
   col_blocks = in_features // config.dx_k
@@ -424,15 +458,15 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
                                       unique_indices=True)
 
 
-def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
+def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
-  """``dw = xᵀ @ (dy * keep)`` over the compacted kept rows only.
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only.
 
   Args:
-    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), ``M % dw_m == 0`` and
-      ``K % dw_k == 0``.
-    dyc: ``(M, N)``, the kept rows of ``dy`` first, ``N % dw_n == 0``.
-    count: ``(1,)`` int32.
+    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), or ``x`` itself when
+      ``config.compact`` is off; ``M % dw_m == 0`` and ``K % dw_k == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first, or ``dy``; ``N % dw_n == 0``.
+    perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
   Returns:
     ``(K, N)`` in ``xc.dtype``.
@@ -441,13 +475,13 @@ def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
   split = config.dw_split
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
                            block_n=config.dw_n, group=config.dw_group, split=split,
-                           precision=precision)
+                           precision=precision, compact=config.compact)
   out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
     (split, in_features, out_features), jnp.float32)
   tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
   dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(tiles, split),
                warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
-               name="sebp_dw")(count, xc, dyc)
+               name="sebp_dw")(count, perm, xc, dyc)
   return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
 
 
@@ -462,8 +496,8 @@ def _row_block(config: BlockConfig) -> int:
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
                     interpret: bool = False):
-  """Compact the kept rows, then both products, on a ready partition ``(perm, count)``; operands
-  padded to whole tiles where needed."""
+  """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
+  partition ``(perm, count)``; operands padded to whole tiles where needed."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -472,15 +506,18 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   sources = [_pad_to(dy, (m_pad, n_pad))]
   if x is not None:
     sources.append(_pad_to(x, (m_pad, k_pad)))
-  dyc, *xc = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                           interpret=interpret)
+  if config.compact:
+    sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                            interpret=interpret)
+  dyc, *xc = sources
   dx = dw = None
   if kernel is not None:
     dx = dx_pallas(dyc, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
                    precision=precision, interpret=interpret)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
   if x is not None:
-    dw = dw_pallas(xc[0], dyc, count, config=config, precision=precision, interpret=interpret)
+    dw = dw_pallas(xc[0], dyc, perm, count, config=config, precision=precision,
+                   interpret=interpret)
     dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
   return dx, dw
 
