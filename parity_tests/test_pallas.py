@@ -253,6 +253,27 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 
+def test_dx_split_traces_in_shard_map_with_check_vma():
+  # The reduction's output aliases the GEMM's `dx`, which is already varying over the mesh axis:
+  # `_launch` must not cast it to varying a second time (an error under check_vma=True).
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **DX_SPLIT})
+
+  def per_device(x, kernel, dy):
+    dx, dw = pallas_backend.backward(x, kernel, dy, policy=RowPolicy(), config=config)
+    return dx, jax.lax.psum(dw, "data")
+
+  backward = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                           out_specs=(P("data"), P()), check_vma=True)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+            for shape, spec in (((64, 32), P("data")), ((32, 48), P()), ((64, 48), P("data")))]
+  with jax.set_mesh(mesh):
+    jaxpr = str(jax.make_jaxpr(backward)(*shapes))
+  assert jaxpr.count("pallas_call") == 5 and "input_output_aliases=((3, 0),)" in jaxpr
+
+
 def _conds_in_backward(run, x, kernel):
   """``cond`` equations in the jaxpr of ``run``'s gradient with respect to ``x`` and ``kernel``."""
   grad = jax.grad(lambda x, k: jnp.sum(run(x, k) ** 2), argnums=(0, 1))

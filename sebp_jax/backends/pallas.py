@@ -183,19 +183,23 @@ def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> B
 def with_dx_split(config: BlockConfig, num_rows: int, in_features: int) -> BlockConfig:
   """``config`` with its dX split (on where ``config.dx_split > 1``) sized for this GPU.
 
-  ``dx_fill`` becomes the SM count and ``dx_split_rows`` the rows below which the split can give
-  2 or more parts (:class:`BlockConfig`): ``dx_fill // (2 * col_blocks)`` row blocks, at most
-  ``num_rows``. Off GPU, or where no row count gives two parts (more column blocks than half
-  the SMs), the split is turned off.
+  ``dx_fill`` becomes the SM count (unless ``config`` sets it: e.g. two programs per SM), and
+  ``dx_split_rows`` the rows below which the split can give 2 or more parts
+  (:class:`BlockConfig`): ``dx_fill // (2 * col_blocks)`` row blocks, at most ``num_rows``. Off
+  GPU, or where no row count gives two parts (more column blocks than half of ``dx_fill``), the
+  split is turned off.
   """
-  if config.dx_split <= 1:
+  if config.dx_split <= 1:  # off (or a bad `dx_split`, which dx_pallas names)
     return config
-  sms = _sm_count() or 0
+  sms = _sm_count()
+  if not sms:
+    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
+  fill = config.dx_fill or sms
   col_blocks = pl.cdiv(in_features, config.dx_k)
-  split_rows = min(sms // (2 * col_blocks) * config.dx_m, _round_up(num_rows, config.dx_m))
+  split_rows = min(fill // (2 * col_blocks) * config.dx_m, _round_up(num_rows, config.dx_m))
   if not split_rows:
     return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
-  return dataclasses.replace(config, dx_split_rows=split_rows, dx_fill=sms)
+  return dataclasses.replace(config, dx_split_rows=split_rows, dx_fill=fill)
 
 
 def _round_up(value: int, multiple: int) -> int:
