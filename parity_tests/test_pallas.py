@@ -62,9 +62,12 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
 #   one step each, 33 runs 2 (its third row block unsplit), 75 runs 1;
 # * 3 parts at most over all 80 padded rows (no unsplit program at all), to fill 12 programs:
 #   counts up to 16 run 3 parts (2, 2 and 0 steps: an empty share), up to 32 run 2, past that 1.
+# compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
+# count (with dW split, and with the first dX split).
 DX_SPLIT = dict(dx_split=4, dx_split_rows=32, dx_fill=24)
 SPLITS = [dict(dw_split=1), dict(dw_split=3), DX_SPLIT,
-          dict(dx_split=3, dx_split_rows=80, dx_fill=12)]
+          dict(dx_split=3, dx_split_rows=80, dx_fill=12), dict(compact=False, dw_split=2),
+          dict(compact=False, **DX_SPLIT)]
 
 
 def _split_id(split: dict) -> str:
@@ -192,6 +195,13 @@ def test_block_table_shrinks_to_small_layers():
   assert config.dw_n == 128  # 300 columns keep the table's tile
 
 
+@pytest.mark.parametrize("out_features,compact", [(3072, True), (16383, True), (16384, False),
+                                                  (128256, False)])
+def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
+  # A compacted copy of a vocabulary-wide dy would add a dy-sized buffer to the peak memory.
+  assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
+
+
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
                                              (132, 4, 4)])
 def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
@@ -231,8 +241,12 @@ def test_bad_dx_split_is_named(split):
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
 @pytest.mark.parametrize("split", [dict(), dict(dw_split=3),
                                    dict(dx_split=4, dx_split_rows=128, dx_fill=132),
-                                   dict(dx_split=8, dx_split_rows=512, dx_fill=132)],
-                         ids=["plain", "dw_split", "dx_split", "dx_split_all_rows"])
+                                   dict(dx_split=8, dx_split_rows=512, dx_fill=132),
+                                   dict(compact=False),
+                                   dict(compact=False, dx_split=4, dx_split_rows=128,
+                                        dx_fill=132)],
+                         ids=["plain", "dw_split", "dx_split", "dx_split_all_rows", "in_place",
+                              "in_place_dx_split"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   # The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
   # catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
@@ -248,8 +262,9 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, gather, dX and dW; one more for the reduction of the split dX tiles.
-  expected = 5 if split.get("dx_split", 1) > 1 else 4
+  # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
+  # without the gather.
+  expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 

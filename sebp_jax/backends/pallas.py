@@ -9,7 +9,10 @@ The plan (DESIGN §5, v5: compact first):
   second launch carries offsets between programs);
 * **gather kernel**: copies the kept rows of ``x`` and ``dy`` into contiguous buffers ``xc`` and
   ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). Programs past ``count`` copy
-  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask;
+  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask.
+  Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
+  ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
+  so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
 * **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile multiplies
   contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of ``dx``; a tile
   past ``count`` stores zeros there, without reading anything. Every row of ``dx`` is written
@@ -58,8 +61,11 @@ class BlockConfig:
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
   of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
   partial tiles summed afterwards. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
-  the grouped tile order. ``crossover``: the kept-row fraction above which the dense backward
-  runs instead.
+  the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
+  GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
+  chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
+  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
+  instead.
 
   The dX split (off at ``dx_split == 1``; :func:`with_dx_split` sizes it for a GPU): with few
   kept rows only ``cdiv(count, dx_m) * K / dx_k`` dX tiles have work, fewer than the SMs, and
@@ -88,6 +94,7 @@ class BlockConfig:
   dx_split: int = 1
   dx_split_rows: int = 0
   dx_fill: int = 0
+  compact: bool = True
   crossover: float = 0.4
 
 
@@ -109,6 +116,11 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
 }
 _WIDE_WEIGHT = 3072 * 3072
 _WIDE_ROWS = 16384
+# Layers with at least this many output columns (a vocabulary: LLaMA-3's 128,256, BERT's 30,522)
+# are not compacted: their GEMMs read the kept rows in place. With few kept rows the copy saves
+# those GEMMs little, and it would hold a `dy`-sized buffer at the peak of the step (LLaMA-3.2-3B
+# at batch 1: +1.5 GB, +4 % of dense's peak, results/einsum_h100/llama_b1_einsum_h100.md).
+_IN_PLACE_COLUMNS = 16384
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
@@ -166,7 +178,7 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
     dx_n=_fit(base.dx_n, out_features),
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
-    dw_n=_fit(base.dw_n, out_features),
+    dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
   return with_dx_split(with_dw_split(config, in_features, out_features), num_rows, in_features)
 
@@ -360,6 +372,22 @@ def _split_share(total, split, part):
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
 
 
+def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
+  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
+  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
+  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
+  if compact:
+    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
+  rows = perm_ref[pl.ds(start, block_m)]
+  valid = (start + jnp.arange(block_m) < count)[:, None]
+
+  def load(ref, cols):
+    tile = ref[rows, cols]
+    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+
+  return load
+
+
 def _pick(flag, if_one, if_zero):
   """``if_one`` where the int32 ``flag`` is 1, ``if_zero`` where it is 0. Arithmetic, not
   ``jnp.where``: Pallas-Triton in jax 0.11 types a select of literals as i1."""
@@ -377,7 +405,7 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, fill: int, split: int):
 
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               split: int, split_rows: int, fill: int):
+               split: int, split_rows: int, fill: int, compact: bool = True):
   """One program of the dX GEMM.
 
   Without a split region (``split_rows == 0``) every program is an *ordinary* one: the
@@ -390,6 +418,8 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
   rest, tiles past ``count`` or parts past ``parts``, run no step and store nothing. Numbering
   the working (tile, part) pairs densely from program 0 starts the long loops first, whatever
   ``count`` is, and puts the programs that only exit or store zeros behind them.
+
+  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``.
   """
   col_blocks = kernel_ref.shape[0] // block_k
   total = dyc_ref.shape[1] // block_n
@@ -417,15 +447,16 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
     first_step = _pick(is_split, split_first, 0)
     share = _pick(is_split, works.astype(jnp.int32) * split_share, share)
   cols = pl.ds(col_block * block_k, block_k)
+  load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
   def step(n, acc):
     span = pl.ds((first_step + n) * block_n, block_n)
-    return acc + lax.dot_general(dyc_ref[pl.ds(start, block_m), span], kernel_ref[cols, span],
+    return acc + lax.dot_general(load_dy(dyc_ref, span), kernel_ref[cols, span],
                                  DX_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
   # A block past `count` runs no step (and an ordinary one stores zeros). A trip count, not a
-  # branch, so the loop stays a plain pipelined loop, and loaded tiles go to the dot untouched
+  # branch, so the loop stays a plain pipelined loop, and compacted tiles go to the dot untouched
   # (rows of the last block past `count` are zero in `dyc`).
   steps = (start < count).astype(jnp.int32) * share
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
@@ -463,23 +494,27 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
   dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
 
 
-def _dw_kernel(count_ref, xc_ref, dyc_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, group: int, split: int, precision):
-  """One ``(block_k, block_n)`` tile of ``dw``, summed over the compacted kept rows only (over
-  this program's share of them when ``split > 1``: a partial tile at ``dw[part]``)."""
+def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
+               block_m: int, block_k: int, block_n: int, group: int, split: int, precision,
+               compact: bool = True):
+  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[part]``). ``xc``, ``dyc``:
+  the compacted ``x`` and ``dy``, or the originals when not ``compact``."""
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
   k_block, n_block = _grouped_tile(pl.program_id(0), k_blocks, n_blocks, group)
   k_span = pl.ds(k_block * block_k, block_k)
   n_span = pl.ds(n_block * block_n, block_n)
 
+  count = count_ref[0]
+
   def step(t, acc):
-    rows = pl.ds(t * block_m, block_m)
-    return acc + lax.dot_general(xc_ref[rows, k_span], dyc_ref[rows, n_span], DW_DIMS,
+    load = _kept_rows(perm_ref, count, t * block_m, block_m, compact=compact)
+    return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
                                  precision=precision, preferred_element_type=jnp.float32)
 
   # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  first, steps = _split_share(pl.cdiv(count_ref[0], block_m), split, pl.program_id(1))
+  first, steps = _split_share(pl.cdiv(count, block_m), split, pl.program_id(1))
   acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
                       jnp.zeros((block_k, block_n), jnp.float32))
   if split == 1:
@@ -516,8 +551,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   (``sebp_dx_reduce``) that sums the split tiles' float32 partials into ``dx`` in place.
 
   Args:
-    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), ``M % dx_m == 0``
-      and ``N % dx_n == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
+      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
     kernel: ``(K, N)`` with ``K % dx_k == 0``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
@@ -531,7 +566,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   launch = functools.partial(_launch, interpret=interpret)
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
-                           split=split, split_rows=split_rows, fill=config.dx_fill)
+                           split=split, split_rows=split_rows, fill=config.dx_fill,
+                           compact=config.compact)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
   split_tiles = split_rows // config.dx_m * col_blocks
   grid = (split_tiles * split + (num_rows - split_rows) // config.dx_m * col_blocks,)
@@ -548,15 +584,15 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
                 name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
 
 
-def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
+def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
-  """``dw = xᵀ @ (dy * keep)`` over the compacted kept rows only.
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only.
 
   Args:
-    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), ``M % dw_m == 0`` and
-      ``K % dw_k == 0``.
-    dyc: ``(M, N)``, the kept rows of ``dy`` first, ``N % dw_n == 0``.
-    count: ``(1,)`` int32.
+    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), or ``x`` itself when
+      ``config.compact`` is off; ``M % dw_m == 0`` and ``K % dw_k == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first, or ``dy``; ``N % dw_n == 0``.
+    perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
   Returns:
     ``(K, N)`` in ``xc.dtype``.
@@ -565,13 +601,13 @@ def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
   split = config.dw_split
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
                            block_n=config.dw_n, group=config.dw_group, split=split,
-                           precision=precision)
+                           precision=precision, compact=config.compact)
   out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
     (split, in_features, out_features), jnp.float32)
   tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
   dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(tiles, split),
                warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
-               name="sebp_dw")(count, xc, dyc)
+               name="sebp_dw")(count, perm, xc, dyc)
   return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
 
 
@@ -586,8 +622,8 @@ def _row_block(config: BlockConfig) -> int:
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
                     interpret: bool = False):
-  """Compact the kept rows, then both products, on a ready partition ``(perm, count)``; operands
-  padded to whole tiles where needed."""
+  """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
+  partition ``(perm, count)``; operands padded to whole tiles where needed."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -596,15 +632,18 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   sources = [_pad_to(dy, (m_pad, n_pad))]
   if x is not None:
     sources.append(_pad_to(x, (m_pad, k_pad)))
-  dyc, *xc = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                           interpret=interpret)
+  if config.compact:
+    sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                            interpret=interpret)
+  dyc, *xc = sources
   dx = dw = None
   if kernel is not None:
     dx = dx_pallas(dyc, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
                    precision=precision, interpret=interpret)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
   if x is not None:
-    dw = dw_pallas(xc[0], dyc, count, config=config, precision=precision, interpret=interpret)
+    dw = dw_pallas(xc[0], dyc, perm, count, config=config, precision=precision,
+                   interpret=interpret)
     dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
   return dx, dw
 
