@@ -57,7 +57,8 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
 
 
 # dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none.
-# The dX splits (3 column blocks of 16 once K is padded to 48; N padded to 64, 4 steps of 16):
+# The dX splits (3 column blocks of 16 once K is padded to 48; N = 60 padded to 64, 4 steps of
+# 16, the last with real columns, so that a missing last part shows):
 # * 4 parts at most over the first 32 rows, to fill 24 programs: counts up to 32 run 4 parts of
 #   one step each, 33 runs 2 (its third row block unsplit), 75 runs 1;
 # * 3 parts at most over all 80 padded rows (no unsplit program at all), to fill 12 programs:
@@ -82,7 +83,7 @@ def test_count_around_block_boundaries(interpret, split, count):
   num_rows = 75  # not a multiple of 16: the last row tile is partial
   kept = np.sort(rng.choice(num_rows, count, replace=False))
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
-  _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret,
+  _check(*_case(rng, num_rows, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
          config=config)
 
 
