@@ -16,8 +16,11 @@ The plan (DESIGN §5, v5: compact first):
 * **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile multiplies
   contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of ``dx``; a tile
   past ``count`` stores zeros there, without reading anything. Every row of ``dx`` is written
-  exactly once. With ``dx_split`` (opt-in), the first kept rows' tiles share their loop over
-  ``N`` among several programs, whose float32 partial tiles XLA sums and scatters;
+  exactly once. With few kept rows those tiles are fewer than the SMs, each streaming all of
+  ``N``; with ``dx_split`` (opt-in) the tiles of the first ``dx_split_rows`` compacted rows
+  share their ``N`` loop among ``parts`` programs of the same launch, ``parts`` chosen from
+  ``count`` at run time to fill the SMs, and a reduction kernel sums their float32 partial
+  tiles into ``dx`` in place (``input_output_aliases``);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
   count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
   programs share a tile's rows and XLA sums their float32 partial tiles;
@@ -46,8 +49,8 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "with_dw_split", "backward", "sparse_backward", "partition_pallas", "gather_pallas",
-           "dx_pallas", "dw_pallas"]
+__all__ = ["BlockConfig", "block_config", "with_dw_split", "with_dx_split", "backward",
+           "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +61,21 @@ class BlockConfig:
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
   of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
   partial tiles summed afterwards. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
-  the grouped tile order. ``dx_split > 1``: the dX tiles of the first ``dx_split_rows`` kept rows
-  are computed by ``dx_split`` programs each, sharing the loop over ``N`` (their float32 partial
-  tiles summed by XLA and scattered to the rows): with few kept rows only a few row blocks have
-  work, and each would otherwise stream its whole ``N`` alone. ``compact``: copy the kept rows
-  into contiguous buffers before the GEMMs (``False``: the GEMMs read them in place through the
-  permutation; :func:`block_config` chooses that for vocabulary-wide layers, where the copy would
-  add a ``dy``-sized buffer to the peak memory). ``crossover``: the kept-row fraction above which
-  the dense backward runs instead.
+  the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
+  GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
+  chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
+  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
+  instead.
+
+  The dX split (off at ``dx_split == 1``; :func:`with_dx_split` sizes it for a GPU): with few
+  kept rows only ``cdiv(count, dx_m) * K / dx_k`` dX tiles have work, fewer than the SMs, and
+  each streams its whole loop over ``N`` alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48
+  programs on 132 SMs). So the tiles of the first ``dx_split_rows`` compacted rows (a multiple
+  of ``dx_m``) share their ``N`` loop among ``parts`` programs, ``parts`` chosen at run time
+  from ``count`` to make about ``dx_fill`` working programs (the SM count), at most
+  ``dx_split``; a small reduction kernel sums their float32 partial tiles. From
+  ``dx_split_rows`` kept rows on, ``parts`` is 1, and the split costs only the partial tiles'
+  round trip and that one launch.
   """
 
   dx_m: int = 64
@@ -82,7 +92,8 @@ class BlockConfig:
   dw_group: int = 8
   dw_split: int = 1
   dx_split: int = 1
-  dx_split_rows: int = 128
+  dx_split_rows: int = 0
+  dx_fill: int = 0
   compact: bool = True
   crossover: float = 0.4
 
@@ -169,7 +180,7 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
     dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
-  return with_dw_split(config, in_features, out_features)
+  return with_dx_split(with_dw_split(config, in_features, out_features), num_rows, in_features)
 
 
 def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
@@ -179,6 +190,28 @@ def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> B
     return config
   tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
   return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
+
+
+def with_dx_split(config: BlockConfig, num_rows: int, in_features: int) -> BlockConfig:
+  """``config`` with its dX split (on where ``config.dx_split > 1``) sized for this GPU.
+
+  ``dx_fill`` becomes the SM count (unless ``config`` sets it: e.g. two programs per SM), and
+  ``dx_split_rows`` the rows below which the split can give 2 or more parts
+  (:class:`BlockConfig`): ``dx_fill // (2 * col_blocks)`` row blocks, at most ``num_rows``. Off
+  GPU, or where no row count gives two parts (more column blocks than half of ``dx_fill``), the
+  split is turned off.
+  """
+  if config.dx_split <= 1:  # off (or a bad `dx_split`, which dx_pallas names)
+    return config
+  sms = _sm_count()
+  if not sms:
+    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
+  fill = config.dx_fill or sms
+  col_blocks = pl.cdiv(in_features, config.dx_k)
+  split_rows = min(fill // (2 * col_blocks) * config.dx_m, _round_up(num_rows, config.dx_m))
+  if not split_rows:
+    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
+  return dataclasses.replace(config, dx_split_rows=split_rows, dx_fill=fill)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -192,28 +225,36 @@ def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jnp.pad(array, [(0, s - d) for s, d in zip(shape, array.shape)])
 
 
-def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str):
+def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str,
+            input_output_aliases: dict[int, int] | None = None):
   """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled.
+
+  ``input_output_aliases`` (operand index -> output index): that output is the operand's buffer,
+  updated in place where the kernel writes it.
 
   Inside ``jax.shard_map(check_vma=True)`` every operand is the device's own and so are the
   outputs: they vary over every manual mesh axis some operand varies over. ``pallas_call``
   needs ``out_shape`` to say how they vary; it is declared invariant, which the Pallas
   interpreter requires (in jax 0.10 it carries the kernel's invariant values in a loop whose
-  carry must keep its type), and the outputs are cast to varying afterwards.
+  carry must keep its type), and the outputs are cast to varying afterwards. An aliased output
+  has its operand's type already, and is cast only over the axes that it lacks.
   """
 
   def call(*operands):
-    varying = tuple(sorted(frozenset().union(*(jax.typeof(a).mat.varying for a in operands))))
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in operands))
     invariant = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                      manual_axis_type=jax.sharding.ManualAxisType()), out_shape)
     outputs = pl.pallas_call(
       body, out_shape=invariant, grid=grid,
       compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
-      interpret=interpret, name=name)(*operands)
-    if not varying:
-      return outputs
-    return jax.tree.map(lambda o: lax.pcast(o, varying, to="varying"), outputs)
+      input_output_aliases=input_output_aliases or {}, interpret=interpret, name=name)(*operands)
+
+    def to_varying(output):
+      axes = tuple(sorted(varying - jax.typeof(output).mat.varying))
+      return lax.pcast(output, axes, to="varying") if axes else output
+
+    return jax.tree.map(to_varying, outputs)
 
   return call
 
@@ -323,7 +364,7 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
                  interpret=interpret, name="sebp_gather")(count, perm, *sources)
 
 
-def _split_share(total, split: int, part):
+def _split_share(total, split, part):
   """``(first, steps)``: program ``part``'s share, the ``part``-th of ``split`` contiguous runs,
   of a loop of ``total`` steps; the last runs may be shorter or empty."""
   per_part = pl.cdiv(total, split)
@@ -347,21 +388,65 @@ def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
   return load
 
 
-def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
+def _pick(flag, if_one, if_zero):
+  """``if_one`` where the int32 ``flag`` is 1, ``if_zero`` where it is 0. Arithmetic, not
+  ``jnp.where``: Pallas-Triton in jax 0.11 types a select of literals as i1."""
+  return flag * if_one + (1 - flag) * if_zero
+
+
+def _dx_parts(count, *, block_m: int, col_blocks: int, fill: int, split: int):
+  """Programs that share each split dX tile's loop over ``N`` for ``count`` kept rows: enough for
+  the tiles that have kept rows to make ``fill`` programs, between 1 and ``split``. The GEMM and
+  the reduction both derive it from ``count`` here, so the reduction sums exactly the partial
+  tiles that were written."""
+  active_tiles = pl.cdiv(count, block_m) * col_blocks
+  return jnp.minimum(jnp.maximum(fill // jnp.maximum(active_tiles, 1), 1), split)
+
+
+def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               compact: bool = True, first_block: int = 0, split: int = 1):
-  """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, ``block`` counted from
-  ``first_block``. With ``split > 1``, this program's share of the loop over ``N`` instead: a
-  float32 partial tile at ``dx[part, block]``, in ``perm`` order. ``dyc``: the compacted ``dy``,
-  or ``dy`` itself when not ``compact``."""
+               split: int, split_rows: int, fill: int, compact: bool = True):
+  """One program of the dX GEMM.
+
+  Without a split region (``split_rows == 0``) every program is an *ordinary* one: the
+  ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, over all of ``N``. With one,
+  the first ``split_rows // block_m * col_blocks * split`` programs are *split* programs for the
+  row blocks below ``split_rows``, and the ordinary ones follow for the row blocks from there.
+  Of the split programs, the first ``live_tiles * parts`` (:func:`_dx_parts`) each take one
+  ``part`` of a live tile's loop over ``N`` and store a float32 partial tile to
+  ``partials[part]`` (compact row order; :func:`_dx_reduce_kernel` sums and scatters them); the
+  rest, tiles past ``count`` or parts past ``parts``, run no step and store nothing. Numbering
+  the working (tile, part) pairs densely from program 0 starts the long loops first, whatever
+  ``count`` is, and puts the programs that only exit or store zeros behind them.
+
+  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``.
+  """
   col_blocks = kernel_ref.shape[0] // block_k
-  row_blocks = dx_ref.shape[-2] // block_m - (first_block if split == 1 else 0)
-  row_block, col_block = _grouped_tile(pl.program_id(0), row_blocks, col_blocks, group)
-  start = (first_block + row_block) * block_m
-  count = count_ref[0]
-  cols = pl.ds(col_block * block_k, block_k)
   total = dyc_ref.shape[1] // block_n
-  first_step, share = (0, total) if split == 1 else _split_share(total, split, pl.program_id(1))
+  count = count_ref[0]
+  program = pl.program_id(0)
+  split_blocks = split_rows // block_m
+  split_programs = split_blocks * col_blocks * split
+  # An ordinary program's tile (garbage for a split program, which picks its own below).
+  ordinary_blocks = max(dx_ref.shape[0] // block_m - split_blocks, 1)
+  row_block, col_block = _grouped_tile(program - split_programs, ordinary_blocks, col_blocks,
+                                       group)
+  start = (split_blocks + row_block) * block_m
+  first_step, share = 0, total
+  if split_rows:
+    parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill, split=split)
+    live_blocks = jnp.minimum(pl.cdiv(count, block_m), split_blocks)
+    live_tiles = jnp.maximum(live_blocks * col_blocks, 1)
+    part, tile = program // live_tiles, program % live_tiles
+    split_row, split_col = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
+    split_first, split_share = _split_share(total, parts, part)
+    works = program < live_blocks * col_blocks * parts  # only split programs can work
+    is_split = (program < split_programs).astype(jnp.int32)
+    start = _pick(is_split, split_row * block_m, start)
+    col_block = _pick(is_split, split_col, col_block)
+    first_step = _pick(is_split, split_first, 0)
+    share = _pick(is_split, works.astype(jnp.int32) * split_share, share)
+  cols = pl.ds(col_block * block_k, block_k)
   load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
   def step(n, acc):
@@ -370,16 +455,43 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
                                  DX_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
-  # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
-  # stays a plain pipelined loop, and compacted tiles go to the dot untouched (rows of the last
-  # block past `count` are zero in `dyc`).
-  # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
+  # A block past `count` runs no step (and an ordinary one stores zeros). A trip count, not a
+  # branch, so the loop stays a plain pipelined loop, and compacted tiles go to the dot untouched
+  # (rows of the last block past `count` are zero in `dyc`).
   steps = (start < count).astype(jnp.int32) * share
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
-  if split == 1:
+
+  def store_rows():
     dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
-  else:
-    dx_ref[pl.program_id(1), pl.ds(start, block_m), cols] = acc
+
+  if not split_rows:
+    store_rows()
+    return
+  # Only the stores branch, after the loop. A working split program stores its partial tile even
+  # when its share of N is empty (zeros): the reduction reads every part below `parts`.
+  pl.when(is_split == 0)(store_rows)
+
+  @pl.when(works)
+  def _():
+    partials_ref[0][part, pl.ds(start, block_m), cols] = acc
+
+
+def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
+                      block_k: int, fill: int):
+  """One ``(block_m, block_k)`` tile of the split region: the sum of its ``parts`` partial tiles
+  stored to rows ``perm[block]`` of ``dx`` (aliased to the GEMM's ``dx``, whose other rows it
+  keeps); zeros for a block past ``count``, whose partial tiles were never written or read."""
+  col_blocks = dx_ref.shape[1] // block_k
+  row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
+  start = row_block * block_m
+  count = count_ref[0]
+  rows, cols = pl.ds(start, block_m), pl.ds(col_block * block_k, block_k)
+  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill,
+                    split=partials_ref.shape[0])
+  steps = (start < count).astype(jnp.int32) * parts
+  acc = lax.fori_loop(0, steps, lambda part, acc: acc + partials_ref[part, rows, cols],
+                      jnp.zeros((block_m, block_k), jnp.float32))
+  dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
@@ -411,16 +523,32 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
     dw_ref[pl.program_id(1), k_span, n_span] = acc
 
 
-def _dx_split_rows(num_rows: int, config: BlockConfig) -> int:
-  """Leading ``perm`` positions whose dX tiles split their ``N`` loop (0: none)."""
-  if config.dx_split <= 1:
-    return 0
-  return min(config.dx_split_rows, num_rows) // config.dx_m * config.dx_m
+def _dx_split(num_rows: int, out_steps: int, config: BlockConfig) -> tuple[int, int]:
+  """``(split, split_rows)`` of :func:`dx_pallas` for ``num_rows`` compacted rows and an ``N``
+  loop of ``out_steps`` steps: ``(1, 0)`` when off."""
+  if config.dx_split < 1:
+    raise ValueError(f"`dx_split` must be >= 1, got {config.dx_split}")
+  split = min(config.dx_split, out_steps)  # more parts than steps would only add empty ones
+  if split <= 1:
+    return 1, 0
+  if config.dx_fill < 1 or config.dx_split_rows < config.dx_m or \
+      config.dx_split_rows % config.dx_m:
+    raise ValueError(
+      f"`dx_split={config.dx_split}` needs `dx_fill >= 1` (got {config.dx_fill}) and "
+      f"`dx_split_rows` a positive multiple of `dx_m={config.dx_m}` (got "
+      f"{config.dx_split_rows}); `with_dx_split` sets both for this GPU")
+  return split, min(config.dx_split_rows, num_rows)
+
+
+_DX_REDUCE_WARPS = 4
 
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
+
+  One GEMM launch (``sebp_dx``); with ``config.dx_split > 1`` also a reduction launch
+  (``sebp_dx_reduce``) that sums the split tiles' float32 partials into ``dx`` in place.
 
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
@@ -431,31 +559,29 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
-  num_rows, _ = dyc.shape
+  num_rows, out_features = dyc.shape
   in_features = kernel.shape[0]
-  tile = dict(block_m=config.dx_m, block_k=config.dx_k, block_n=config.dx_n,
-              group=config.dx_group, precision=precision, compact=config.compact)
-  launch = functools.partial(_launch, warps=config.dx_warps, stages=config.dx_stages,
-                             interpret=interpret)
   col_blocks = in_features // config.dx_k
-  split_rows = _dx_split_rows(num_rows, config)
-  out_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
-  if split_rows == num_rows:  # every row's tile is split: the scatter below writes them all
-    dx = jnp.zeros(out_shape.shape, out_shape.dtype)
-  else:
-    body = functools.partial(_dx_kernel, **tile, first_block=split_rows // config.dx_m)
-    dx = launch(body, out_shape, grid=((num_rows - split_rows) // config.dx_m * col_blocks,),
-                name="sebp_dx")(count, perm, dyc, kernel)
+  split, split_rows = _dx_split(num_rows, out_features // config.dx_n, config)
+  launch = functools.partial(_launch, interpret=interpret)
+  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                           block_n=config.dx_n, group=config.dx_group, precision=precision,
+                           split=split, split_rows=split_rows, fill=config.dx_fill,
+                           compact=config.compact)
+  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  split_tiles = split_rows // config.dx_m * col_blocks
+  grid = (split_tiles * split + (num_rows - split_rows) // config.dx_m * col_blocks,)
+  gemm = functools.partial(launch, body, grid=grid, warps=config.dx_warps,
+                           stages=config.dx_stages, name="sebp_dx")
   if not split_rows:
-    return dx
-  partials = launch(
-    functools.partial(_dx_kernel, **tile, split=config.dx_split),
-    jax.ShapeDtypeStruct((config.dx_split, split_rows, in_features), jnp.float32),
-    grid=(split_rows // config.dx_m * col_blocks, config.dx_split),
-    name="sebp_dx_split")(count, perm, dyc, kernel)
-  # The rows at perm[:split_rows] are exactly those the kernel above left unwritten.
-  return dx.at[perm[:split_rows]].set(partials.sum(axis=0).astype(dx.dtype),
-                                      unique_indices=True)
+    return gemm(dx_shape)(count, perm, dyc, kernel)
+  partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
+  dx, partials = gemm((dx_shape, partials_shape))(count, perm, dyc, kernel)
+  reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                             fill=config.dx_fill)
+  # `dx` in place: its rows past the split region are the GEMM's, written once.
+  return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
+                name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
 
 
 def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
