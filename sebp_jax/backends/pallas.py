@@ -327,20 +327,34 @@ _GATHER_COLS = 256
 _GATHER_WARPS = 4
 
 
+def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
+  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
+  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
+  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
+  if compact:
+    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
+  rows = perm_ref[pl.ds(start, block_m)]
+  valid = (start + jnp.arange(block_m) < count)[:, None]
+
+  def load(ref, cols):
+    tile = ref[rows, cols]
+    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+
+  return load
+
+
 def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...]):
   """Rows ``perm[block]`` of each source copied to the block's contiguous rows of its copy; rows
   at or past ``count`` as zeros (the one block that straddles it), nothing past that block."""
   sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
   start = pl.program_id(0) * block_m
   count = count_ref[0]
-  rows = perm_ref[pl.ds(start, block_m)]
-  valid = (start + jnp.arange(block_m) < count)[:, None]
-  live = (start < count).astype(jnp.int32)  # arithmetic: see _dx_kernel
+  load = _kept_rows(perm_ref, count, start, block_m, compact=False)
+  live = (start < count).astype(jnp.int32)  # arithmetic, not a branch: see _pick
   for source, copy, cols in zip(sources, copies, block_cols):
     def step(c, carry, source=source, copy=copy, cols=cols):
       span = pl.ds(c * cols, cols)
-      tile = source[rows, span]
-      copy[pl.ds(start, block_m), span] = jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+      copy[pl.ds(start, block_m), span] = load(source, span)
       return carry
 
     lax.fori_loop(0, live * (source.shape[1] // cols), step, jnp.int32(0))
@@ -370,22 +384,6 @@ def _split_share(total, split, part):
   per_part = pl.cdiv(total, split)
   first = part * per_part
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
-
-
-def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
-  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
-  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
-  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
-  if compact:
-    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
-  rows = perm_ref[pl.ds(start, block_m)]
-  valid = (start + jnp.arange(block_m) < count)[:, None]
-
-  def load(ref, cols):
-    tile = ref[rows, cols]
-    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
-
-  return load
 
 
 def _pick(flag, if_one, if_zero):
