@@ -183,6 +183,28 @@ def test_partition_kernel(interpret, num_rows, density):
   np.testing.assert_array_equal(perm[num_rows:], np.arange(num_rows, len(perm)))
 
 
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 48])
+def test_gather_kernel(interpret, count):
+  # Two sources of different widths and dtypes, each of several column chunks (dy: 3 chunks of
+  # 256 columns, x: 5 of 64), and every program copies one chunk of one source: the kept rows in
+  # perm order, then zeros to the end of the block that holds the last of them.
+  num_rows, block_m = 48, 16
+  rng = np.random.default_rng(count)
+  dy = jnp.asarray(rng.standard_normal((num_rows, 768)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((num_rows, 320)), jnp.float32)
+  keep = np.zeros(num_rows, bool)
+  keep[rng.permutation(num_rows)[:count]] = True
+  perm, counted = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
+  gathered = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
+    sources, perm, counted, block_m=block_m, interpret=interpret))([dy, x], perm, counted)
+  written = -(-count // block_m) * block_m
+  for source, copy in zip((dy, x), gathered):
+    source, copy = np.asarray(source, np.float32), np.asarray(copy, np.float32)
+    np.testing.assert_array_equal(copy[:count], source[np.nonzero(keep)[0]])
+    np.testing.assert_array_equal(copy[count:written], 0.0)
+
+
 def test_reference_mask_agrees_with_count():
   # Guards the helper above: the reference counts what _case made active.
   rng = np.random.default_rng(0)
