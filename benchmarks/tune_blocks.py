@@ -46,6 +46,10 @@ CANDIDATES = {
   "dx_m32_k64": _Config(dx_m=32, dx_k=64),
   "dx_m32_k32": _Config(dx_m=32, dx_k=32),
   "dx_k32_n128": _Config(dx_k=32, dx_n=128),
+  # ... or one row block holds them all, so W streams from DRAM once, in narrow column blocks.
+  "dx_m128_k32": _Config(dx_m=128, dx_k=32, dx_warps=8),
+  "dx_m128_k64": _Config(dx_m=128, dx_k=64, dx_warps=8),
+  "dx_m128_k32_n128": _Config(dx_m=128, dx_k=32, dx_n=128, dx_warps=8),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
   # Few kept rows: the count-adaptive dX split (`with_dx_split` sizes it for the GPU), at most
   # 2 / 4 / 8 programs per tile, aiming at one working program per SM; and at two per SM
@@ -115,8 +119,10 @@ def main() -> None:
       timings = {name: baselines[name]() for name in args.baselines}
       families = {}
       for name in args.configs:
-        config = pallas_backend.with_dw_split(CANDIDATES[name], shape.in_features,
-                                              shape.out_features)
+        # Vocabulary-wide layers are read in place, as block_config has them in a model.
+        config = dataclasses.replace(CANDIDATES[name], compact=pallas_backend.block_config(
+          shape.rows, shape.in_features, shape.out_features, dtype).compact)
+        config = pallas_backend.with_dw_split(config, shape.in_features, shape.out_features)
         config = pallas_backend.with_dx_split(config, shape.rows, shape.in_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
