@@ -225,6 +225,18 @@ def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
   assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
 
 
+@pytest.mark.parametrize("out_features,split,split_rows", [(8192, 1, 0), (128256, 8, 320)])
+def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, split,
+                                                         split_rows):
+  # The LM head's dX (24 column blocks of 128 at K = 3072) shares its 128,256-column loop among
+  # up to 8 programs per tile, sized for two working programs per SM: 264 // (2 * 24) = 5 row
+  # blocks of 64 can still have 2 parts. Other layers keep the unsplit dX.
+  monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  config = pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16)
+  assert (config.dx_split, config.dx_split_rows) == (split, split_rows)
+
+
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
                                              (132, 4, 4)])
 def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
