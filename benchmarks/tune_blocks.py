@@ -50,6 +50,10 @@ CANDIDATES = {
   "dx_m128_k32": _Config(dx_m=128, dx_k=32, dx_warps=8),
   "dx_m128_k64": _Config(dx_m=128, dx_k=64, dx_warps=8),
   "dx_m128_k32_n128": _Config(dx_m=128, dx_k=32, dx_n=128, dx_warps=8),
+  # ... or longer steps over N with more of them in flight: more bytes per program in the air.
+  "dx_n128": _Config(dx_n=128),
+  "dx_n128_s4": _Config(dx_n=128, dx_stages=4),
+  "dx_k64_n128": _Config(dx_k=64, dx_n=128),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
   # Few kept rows: the count-adaptive dX split (`with_dx_split` sizes it for the GPU), at most
   # 2 / 4 / 8 programs per tile, aiming at one working program per SM; and at two per SM
@@ -58,6 +62,7 @@ CANDIDATES = {
   "dx_split4": _Config(dx_split=4),
   "dx_split8": _Config(dx_split=8),
   "dx_split8_fill264": _Config(dx_split=8, dx_fill=264),
+  "dx_split8_fill264_n128": _Config(dx_split=8, dx_fill=264, dx_n=128),
 }
 _BASELINES = ("dense", "ideal", "xla", "selection")
 
