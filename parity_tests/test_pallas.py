@@ -225,6 +225,18 @@ def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
   assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
 
 
+@pytest.mark.parametrize("rows,in_features,out_features,dx_n,dx_k", [
+  (4096, 3072, 8192, 128, 128),  # LLaMA-3B MLP at batch 1: long dX steps over N
+  (4096, 3072, 1024, 64, 128),  # its k/v projections: a small weight, the default tiles
+  (32768, 3072, 8192, 64, 256),  # the MLP at batch 8: the wide tiles
+])
+def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out_features,
+                                             dx_n, dx_k):
+  monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
+  config = pallas_backend.block_config(rows, in_features, out_features, jnp.bfloat16)
+  assert (config.dx_n, config.dx_k) == (dx_n, dx_k)
+
+
 @pytest.mark.parametrize("out_features,split,split_rows", [(8192, 1, 0), (128256, 8, 320)])
 def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, split,
                                                          split_rows):
@@ -300,6 +312,30 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
   # without the gather.
   expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
+@pytest.mark.parametrize("key", sorted(pallas_backend._BLOCK_TABLE), ids=str)
+def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
+  # Every tuned entry as block_config hands it to a layer on the GPU it was tuned for (the SM
+  # count of an H100 sizes its splits), lowered the way the test above lowers its variants.
+  from jax import export
+
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  dtype = {2: jnp.bfloat16, 4: jnp.float32}[key[1]]
+  num_rows, in_features, out_features = 4096, 3072, 16384 if key[2] == "vocab" else 640
+  config = pallas_backend.BlockConfig(**{
+    **pallas_backend._BLOCK_TABLE[key].__dict__, "compact": key[2] != "vocab"})
+  config = pallas_backend.with_dx_split(config, num_rows, in_features)
+  shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in (
+    (num_rows, in_features), (in_features, out_features), (num_rows, out_features))]
+  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=RowPolicy(),
+                                                              config=config))
+  exported = export.export(
+    backward, platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+  # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
+  expected = 3 + config.compact + (config.dx_split > 1)
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 
