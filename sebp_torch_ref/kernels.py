@@ -1,6 +1,6 @@
 """Triton kernels of the SEBP backward: compact the kept rows first, then GEMMs on contiguous rows.
 
-One backward (:func:`sebp_grads`) is four launches, five where dW is split, and no host
+One backward (:func:`sebp_grads`) is three launches, four where dW is split, and no host
 synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
 the shapes alone (for all ``M`` rows); a program whose rows lie past ``count`` returns at once, as
 in vLLM's fused-MoE kernels, so the work follows ``count`` while the launches stay static and the
@@ -13,20 +13,26 @@ whole backward can be captured in a CUDA graph.
 2. **compact** (the same grid): each block adds up the counts of the blocks before it, writes its
    rows' places in the active-first permutation ``perm`` (kept rows first, each part in row
    order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers.
-3. **dX** ``(M, K) = dY (M, N) @ W (N, K)``: a grid over (column blocks of K, row blocks of the
-   compacted prefix). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by ``W``
-   (read through ``perm`` instead where ``dY`` is too wide to copy: an LM head's vocabulary)
-   and scatters the result to rows ``perm[...]`` of ``dX``; a block past ``count`` stores zeros to
-   the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset, no atomics).
-4. **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: a grid over output tiles times
-   ``split`` slices of the rows. ``split`` is sized on the host from the tile count and the number
-   of SMs (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
-   ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
-   return at once. With ``split > 1`` the slices write float32 partial sums and a fifth launch adds
-   the used ones (a fixed order: results do not depend on scheduling).
+3. **GEMMs**, one launch whose first programs compute dW and the rest dX, so that with few kept
+   rows the two small products share the GPU instead of running one after the other:
+
+   * **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: output tiles times ``split``
+     slices of the rows. ``split`` is sized on the host from the tile count and the number of SMs
+     (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
+     ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
+     return at once. With ``split > 1`` the slices write float32 partial sums and a fourth launch
+     adds the used ones (a fixed order: results do not depend on scheduling).
+   * **dX** ``(M, K) = dY (M, N) @ W (N, K)``: tiles over (row blocks of the compacted prefix,
+     column blocks of K). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by
+     ``W`` and stores the result at rows ``perm[...]`` of ``dX``; a block past ``count`` stores
+     zeros to the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset,
+     no atomics).
+
+   ``dY`` is read through ``perm`` instead of copied where it is as wide as a vocabulary (an LM
+   head's), whose copy would be as large as the logits.
 
 Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
-products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-kernel, per-dtype
+products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
 tables with a per-shape rule (:func:`default_config`).
 
 The kernels also run on CPU under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
@@ -45,8 +51,7 @@ import triton.language as tl
 from .policy import RowPolicy, keep_mask
 
 __all__ = [
-    "check_device", "default_config", "interpreter_enabled", "sebp_dw", "sebp_dx", "sebp_grads",
-    "select_rows",
+    "check_device", "default_config", "interpreter_enabled", "sebp_gemms", "sebp_grads", "select_rows",
 ]
 
 
@@ -142,29 +147,35 @@ def _compact_kernel(
 
 
 @triton.jit
-def _dx_kernel(
-    dy_ptr, w_ptr, perm_ptr, count_ptr, dx_ptr,
-    M, N, K,
+def _dy_rows(perm_ptr, slots, kept, GATHER_DY: tl.constexpr):
+    """Rows of ``dy`` holding slots ``slots``: ``perm[slot]`` in the full gradient
+    (``GATHER_DY``), else ``slot`` in the compacted copy."""
+    if GATHER_DY:
+        rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
+    else:
+        rows = slots.to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _dx_tile(
+    pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``GATHER_DY``: ``dy`` is the full gradient, read at rows ``perm[slot]``; otherwise it is
-    the compacted copy, read at row ``slot``."""
-    # K blocks vary fastest so that programs sharing a block of dY rows run together.
-    pid_k = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    count = tl.load(count_ptr)
+    """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
+    perm[slot] of dX; zeros for the slots past ``count`` (dropped rows)."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
+    pid_m = pid // tiles_k
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if pid_m * BLOCK_M < count:
         kept = slots < count
-        if GATHER_DY:
-            dy_rows = dy_ptr + rows[:, None] * stride_dym
-        else:
-            dy_rows = dy_ptr + slots[:, None].to(tl.int64) * stride_dym
+        dy_rows = dy_ptr + _dy_rows(perm_ptr, slots, kept, GATHER_DY)[:, None] * stride_dym
         for n0 in range(0, N, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
@@ -193,17 +204,19 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _dw_kernel(
-    dy_ptr, x_kept_ptr, perm_ptr, count_ptr, out_ptr,
-    N, K, stride_dym, stride_dyn, stride_split,
+def _dw_tile(
+    pid, dy_ptr, x_kept_ptr, perm_ptr, out_ptr, count, N, K,
+    stride_dym, stride_dyn, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``GATHER_DY`` as in ``_dx_kernel``; ``x_kept`` is always the compacted copy."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    count = tl.load(count_ptr)
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows (``x_kept`` is the
+    compacted copy); with ``SPLIT > 1`` it stores float32 partial sums to slice ``pid_s``."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles = tiles_k * tl.cdiv(N, BLOCK_N)
+    pid_s = pid // tiles
+    pid_n = (pid % tiles) // tiles_k
+    pid_k = pid % tiles_k
     per_split, used = _split_rows(count, BLOCK_M, SPLIT)
     # With one slice the output is dW itself and every tile is stored (zeros if no row is kept).
     if (pid_s < used) | (SPLIT == 1):
@@ -213,19 +226,16 @@ def _dw_kernel(
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
-            slots = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            slots = m0 + tl.arange(0, BLOCK_M)
             kept = slots < end
-            if GATHER_DY:
-                dy_rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
-            else:
-                dy_rows = slots
+            dy_rows = _dy_rows(perm_ptr, slots, kept, GATHER_DY)
             dy = tl.load(
                 dy_ptr + dy_rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
                 mask=kept[:, None] & (ns[None, :] < N),
                 other=0.0,
             )
             x = tl.load(
-                x_kept_ptr + slots[:, None] * K + ks[None, :],
+                x_kept_ptr + slots[:, None].to(tl.int64) * K + ks[None, :],
                 mask=kept[:, None] & (ks[None, :] < K),
                 other=0.0,
             )
@@ -237,6 +247,38 @@ def _dw_kernel(
             acc.to(out_ptr.dtype.element_ty),
             mask=(ns[:, None] < N) & (ks[None, :] < K),
         )
+
+
+@triton.jit
+def _grads_kernel(
+    dy_ptr, w_ptr, x_kept_ptr, perm_ptr, count_ptr, dx_ptr, dw_out_ptr,
+    M, N, K, dw_programs,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk, stride_split,
+    DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
+    DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr,
+    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start), then
+    dX's. One launch, so that with few kept rows the two small GEMMs share the GPU."""
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    dx_pid = pid
+    if DO_DW:
+        dx_pid = pid - dw_programs
+        if pid < dw_programs:
+            _dw_tile(
+                pid, dy_ptr, x_kept_ptr, perm_ptr, dw_out_ptr, count, N, K,
+                stride_dym, stride_dyn, stride_split,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER_DY, INPUT_PRECISION, UPCAST,
+            )
+    if DO_DX:
+        if dx_pid >= 0:
+            _dx_tile(
+                dx_pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+                stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER_DY, INPUT_PRECISION, UPCAST,
+            )
 
 
 @triton.jit
@@ -255,17 +297,18 @@ def _split_sum_kernel(
 
 # ----------------------------------------------------------------------------- tiles
 
-# Per kernel and operand width. BLOCK_M spans rows of dY, BLOCK_N its columns (out features),
-# BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over N, the dW tile is
-# (BLOCK_N, BLOCK_K) looping over the kept rows. "narrow" rows apply where the dX output has at
-# most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
+# Per operand width, the tiles of both GEMMs of the one launch. BLOCK_M spans rows of dY, BLOCK_N
+# its columns (out features), BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over
+# N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The "narrow" dX tile applies where
+# dX has at most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
 _TILES = {
-    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
-    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128),
+    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64),
+    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64),
 }
+_LAUNCH = {2: dict(num_warps=8, num_stages=3), 4: dict(num_warps=4, num_stages=3)}
 # Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
 # CPU tests fast while still splitting odd shapes into several partial blocks.
 _INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
@@ -275,17 +318,17 @@ _MAX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
 
 
-def default_config(kernel: str, dtype: torch.dtype, interpret: bool = False, out_columns: int | None = None) -> dict:
-    """Block sizes and launch options of ``kernel`` (``"dx"`` or ``"dw"``) for an operand dtype.
-
-    ``out_columns``: the dX kernel's ``K``, which picks the narrow tiles where it is small.
-    ``benchmarks/layer_torch.py --tune`` times alternatives.
+def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
+    """Tiles and launch options of the GEMM launch for an operand dtype: ``{"dx": tile, "dw":
+    tile, "launch": {num_warps, num_stages}}``. ``out_columns`` is dX's ``K``, which picks the
+    narrow dX tile where it is small. ``benchmarks/layer_torch.py --tune`` times alternatives.
     """
     if interpret:
-        return dict(_INTERPRETER_TILES)
-    if kernel == "dx" and out_columns is not None and out_columns <= 1024:
-        return dict(_TILES.get((kernel, dtype.itemsize, "narrow"), _TILES[kernel, dtype.itemsize]))
-    return dict(_TILES[kernel, dtype.itemsize])
+        return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
+    width = dtype.itemsize
+    narrow = ("dx", width, "narrow")
+    dx = _TILES[narrow] if out_columns <= 1024 and narrow in _TILES else _TILES["dx", width]
+    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
 @functools.cache
@@ -385,87 +428,68 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
     return perm, count
 
 
-def sebp_dx(
-    dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *,
-    compacted: bool, config: dict | None = None,
-) -> torch.Tensor:
-    """``dX = (dY * keep[:, None]) @ W`` with dropped rows zero.
-
-    Args:
-        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
-            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
-            kept rows in ``perm`` order; the rest is never read).
-        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``.
-        perm: ``(M,)`` int32 active-first permutation.
-        count: ``(1,)`` int32 number of kept rows (device tensor).
-        compacted: which of the two ``dy`` is.
-        config: block sizes and launch options; ``None`` takes :func:`default_config`.
-
-    Returns:
-        ``(M, K)`` in ``dy``'s dtype.
-    """
-    interpret = check_device(dy, weight, perm, count)
-    M, N = dy.shape
-    K = weight.shape[1]
-    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
-    if M == 0 or K == 0:
-        return dx
-    cfg = config or default_config("dx", dy.dtype, interpret, out_columns=K)
-    grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, cfg["BLOCK_M"]))
-    _dx_kernel[grid](
-        dy, weight, perm, count, dx,
-        M, N, K,
-        dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-        GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret),
-        **cfg,
-    )
-    return dx
-
-
-def sebp_dw(
+def sebp_gemms(
     dy: torch.Tensor,
-    x_kept: torch.Tensor,
+    weight: torch.Tensor | None,
+    x_kept: torch.Tensor | None,
     perm: torch.Tensor,
     count: torch.Tensor,
     out_dtype: torch.dtype,
     *,
     compacted: bool,
     config: dict | None = None,
-) -> torch.Tensor:
-    """``dW = (dY * keep[:, None])^T @ X``: the sum over the kept rows only.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero) and ``dW = (dY * keep[:, None])^T @
+    X`` (a sum over the kept rows only), in one launch (two where dW is split over rows).
 
     Args:
-        dy: ``(M, N)`` output gradient or its compacted copy, as for :func:`sebp_dx`.
-        x_kept: ``(M, K)`` contiguous: the kept rows of the layer input first, in ``perm`` order.
+        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
+            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
+            kept rows in ``perm`` order; the rest is never read).
+        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``; ``None``: no dX.
+        x_kept: ``(M, K)`` contiguous, the kept rows of the layer input first, in ``perm`` order;
+            ``None``: no dW.
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
-        out_dtype: dtype of the result (the weight's).
+        out_dtype: dtype of dW (the weight's).
         compacted: which of the two ``dy`` is.
-        config: block sizes and launch options; ``None`` takes :func:`default_config`.
+        config: :func:`default_config`'s form; ``None`` takes the default.
 
     Returns:
-        ``(N, K)`` in ``out_dtype``.
+        ``dX`` ``(M, K)`` in ``dy``'s dtype and ``dW`` ``(N, K)`` in ``out_dtype``, each ``None``
+        where not asked for.
     """
-    interpret = check_device(dy, x_kept, perm, count)
+    interpret = check_device(*(t for t in (dy, weight, x_kept, perm, count) if t is not None))
     M, N = dy.shape
-    K = x_kept.shape[1]
-    dw = torch.empty((N, K), dtype=out_dtype, device=dy.device)
-    if N == 0 or K == 0:
-        return dw
-    cfg = config or default_config("dw", dy.dtype, interpret)
-    tiles = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    split = _dw_split(tiles[0] * tiles[1], triton.cdiv(M, cfg["BLOCK_M"]), dy.device, interpret)
-    out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dw.device)
-    _dw_kernel[(*tiles, split)](
-        dy, x_kept, perm, count, out, N, K, dy.stride(0), dy.stride(1), N * K,
-        SPLIT=split, GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret), **cfg,
+    K = (weight if weight is not None else x_kept).shape[1]
+    cfg = config or default_config(dy.dtype, K, interpret)
+    dx_tile, dw_tile = cfg["dx"], cfg["dw"]
+    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=dy.device)
+    dw = None if x_kept is None else torch.empty((N, K), dtype=out_dtype, device=dy.device)
+    dx_programs = 0 if dx is None else triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"])
+    dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
+    split = 1 if dw is None else _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), dy.device, interpret)
+    dw_out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dy.device)
+    dw_programs = 0 if dw is None else dw_tiles * split
+    if M * N * K == 0 or dx_programs + dw_programs == 0:
+        return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
+    _grads_kernel[(dw_programs + dx_programs,)](
+        dy, dy if weight is None else weight, dy if x_kept is None else x_kept, perm, count,
+        dy if dx is None else dx, dy if dw_out is None else dw_out,
+        M, N, K, dw_programs,
+        dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
+        *((0, 0) if dx is None else dx.stride()), N * K,
+        DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
+        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
+        SPLIT=split, DO_DX=dx is not None, DO_DW=dw is not None, GATHER_DY=not compacted,
+        **_dot_options(dy.dtype, interpret), **cfg["launch"],
     )
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(N * K, block),)](
-            out, count, dw, N * K, BLOCK_M=cfg["BLOCK_M"], SPLIT=split, BLOCK=block,
+            dw_out, count, dw, N * K, BLOCK_M=dw_tile["BLOCK_M"], SPLIT=split, BLOCK=block,
         )
-    return dw
+    return dx, dw
 
 
 # dY is copied to contiguous rows unless it is as wide as a vocabulary: an LM head's (M, 128k)
@@ -505,8 +529,9 @@ def sebp_grads(
     keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
     compacted = N <= _MAX_COPIED_COLUMNS
     perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, compacted, interpret)
-    rows = dy_kept if compacted else dy
-    dx = None if weight is None else sebp_dx(rows, weight, perm, count, compacted=compacted)
-    dw = None if x is None else sebp_dw(rows, x_kept, perm, count, x.dtype, compacted=compacted)
+    dx, dw = sebp_gemms(
+        dy_kept if compacted else dy, weight, x_kept, perm, count, dy.dtype if x is None else x.dtype,
+        compacted=compacted,
+    )
     db = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dw, db
