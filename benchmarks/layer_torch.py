@@ -5,6 +5,9 @@ one, written as JSON rows that stand beside the JAX results in one table.
 
 * ``dense``: autograd of ``F.linear`` (cuBLAS dX and dW over all M rows).
 * ``sebp_triton`` / ``sebp_torch``: autograd of ``sebp_linear`` with that backend (exact policy).
+* ``sebp_triton_gather``: ``sebp_triton`` with the kept rows of dY and X read in place through the
+  permutation instead of copied to contiguous buffers first (what it does for an LM head's
+  vocabulary-wide gradient): whether the copies pay for themselves.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -65,7 +68,7 @@ SHAPES = [
     ],
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-IMPLS = ("dense", "sebp_triton", "sebp_torch", "ideal")
+IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
 
 
@@ -90,8 +93,21 @@ def backward_fn(impl: str, x, weight, dy, active: int):
     elif impl == "dense":
         y = F.linear(x, weight)
     else:
-        y = sebp_linear(x, weight, impl=impl.removeprefix("sebp_"))
-    return lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)
+        y = sebp_linear(x, weight, impl=impl.removeprefix("sebp_").removesuffix("_gather"))
+    grad = lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)  # noqa: E731
+    return _reading_through_perm(grad) if impl == "sebp_triton_gather" else grad
+
+
+def _reading_through_perm(fn):
+    """``fn`` run with the Triton backward's compacted copies switched off (a column limit of 0)."""
+    def run():
+        saved = kernels._MAX_COPIED_COLUMNS
+        kernels._MAX_COPIED_COLUMNS = 0
+        try:
+            return fn()
+        finally:
+            kernels._MAX_COPIED_COLUMNS = saved
+    return run
 
 
 def graph_backward_fn(impl: str, x, weight, dy, active: int):
@@ -118,7 +134,7 @@ def check(shape: Shape) -> None:
     for fraction in (1.0, 0.2, 0.02):
         x, weight, dy, active = make_case(shape, fraction, seed=1)
         want = backward_fn("dense", x, weight, dy, active)()
-        for impl in ("sebp_triton", "sebp_torch"):
+        for impl in ("sebp_triton", "sebp_triton_gather", "sebp_torch"):
             got = backward_fn(impl, x, weight, dy, active)()
             for name, g, w in zip(("dx", "dw"), got, want):
                 scale = w.float().abs().max().item()

@@ -230,13 +230,17 @@ def test_frozen_weight_and_input(impl, device):
 @pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
 def test_triton_reads_wide_gradients_through_the_permutation(policy, pattern, device, monkeypatch):
-    """Gradients too wide to copy (an LM head's) are read in place through ``perm``."""
+    """With a gradient too wide to copy (an LM head's), dY and X are read in place through
+    ``perm``."""
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
 
     monkeypatch.setattr(kernels, "_MAX_COPIED_COLUMNS", OUT_FEATURES - 1)
-    dy = make_output_grad(pattern, (3, 13), _generator("wide", pattern, str(policy)))
-    run_and_compare("triton", device, torch.bfloat16, policy, dy)
+    gen = _generator("wide", pattern, str(policy))
+    dy = make_output_grad(pattern, (3, 13), gen)
+    # A transposed view: X too is read in place, with its own strides.
+    x = torch.randn(13, 3, IN_FEATURES, generator=gen).to(device, torch.bfloat16).requires_grad_().transpose(0, 1)
+    run_and_compare("triton", device, torch.bfloat16, policy, dy, x=x)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])

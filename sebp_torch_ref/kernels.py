@@ -28,8 +28,8 @@ whole backward can be captured in a CUDA graph.
      zeros to the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset,
      no atomics).
 
-   ``dY`` is read through ``perm`` instead of copied where it is as wide as a vocabulary (an LM
-   head's), whose copy would be as large as the logits.
+   ``dY`` and ``X`` are read through ``perm`` instead of copied where ``dY`` is as wide as a
+   vocabulary (an LM head's), whose copy would be as large as the logits.
 
 Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
 products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
@@ -147,10 +147,10 @@ def _compact_kernel(
 
 
 @triton.jit
-def _dy_rows(perm_ptr, slots, kept, GATHER_DY: tl.constexpr):
-    """Rows of ``dy`` holding slots ``slots``: ``perm[slot]`` in the full gradient
-    (``GATHER_DY``), else ``slot`` in the compacted copy."""
-    if GATHER_DY:
+def _source_rows(perm_ptr, slots, kept, GATHER: tl.constexpr):
+    """Rows of ``dy`` and ``x`` holding slots ``slots``: ``perm[slot]`` in the full tensors
+    (``GATHER``), else ``slot`` in the compacted copies."""
+    if GATHER:
         rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
     else:
         rows = slots.to(tl.int64)
@@ -162,7 +162,7 @@ def _dx_tile(
     pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
     perm[slot] of dX; zeros for the slots past ``count`` (dropped rows)."""
@@ -175,7 +175,7 @@ def _dx_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if pid_m * BLOCK_M < count:
         kept = slots < count
-        dy_rows = dy_ptr + _dy_rows(perm_ptr, slots, kept, GATHER_DY)[:, None] * stride_dym
+        dy_rows = dy_ptr + _source_rows(perm_ptr, slots, kept, GATHER)[:, None] * stride_dym
         for n0 in range(0, N, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
@@ -205,13 +205,13 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dw_tile(
-    pid, dy_ptr, x_kept_ptr, perm_ptr, out_ptr, count, N, K,
-    stride_dym, stride_dyn, stride_split,
+    pid, dy_ptr, x_ptr, perm_ptr, out_ptr, count, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows (``x_kept`` is the
-    compacted copy); with ``SPLIT > 1`` it stores float32 partial sums to slice ``pid_s``."""
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows; with ``SPLIT > 1`` it
+    stores float32 partial sums to slice ``pid_s``."""
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tiles_k * tl.cdiv(N, BLOCK_N)
     pid_s = pid // tiles
@@ -228,14 +228,14 @@ def _dw_tile(
         for m0 in range(start, end, BLOCK_M):
             slots = m0 + tl.arange(0, BLOCK_M)
             kept = slots < end
-            dy_rows = _dy_rows(perm_ptr, slots, kept, GATHER_DY)
+            rows = _source_rows(perm_ptr, slots, kept, GATHER)
             dy = tl.load(
-                dy_ptr + dy_rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
+                dy_ptr + rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
                 mask=kept[:, None] & (ns[None, :] < N),
                 other=0.0,
             )
             x = tl.load(
-                x_kept_ptr + slots[:, None].to(tl.int64) * K + ks[None, :],
+                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=kept[:, None] & (ks[None, :] < K),
                 other=0.0,
             )
@@ -251,13 +251,14 @@ def _dw_tile(
 
 @triton.jit
 def _grads_kernel(
-    dy_ptr, w_ptr, x_kept_ptr, perm_ptr, count_ptr, dx_ptr, dw_out_ptr,
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_out_ptr,
     M, N, K, dw_programs,
-    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk, stride_split,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
+    stride_split,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr,
-    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start), then
     dX's. One launch, so that with few kept rows the two small GEMMs share the GPU."""
@@ -268,16 +269,16 @@ def _grads_kernel(
         dx_pid = pid - dw_programs
         if pid < dw_programs:
             _dw_tile(
-                pid, dy_ptr, x_kept_ptr, perm_ptr, dw_out_ptr, count, N, K,
-                stride_dym, stride_dyn, stride_split,
-                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER_DY, INPUT_PRECISION, UPCAST,
+                pid, dy_ptr, x_ptr, perm_ptr, dw_out_ptr, count, N, K,
+                stride_dym, stride_dyn, stride_xm, stride_xk, stride_split,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST,
             )
     if DO_DX:
         if dx_pid >= 0:
             _dx_tile(
                 dx_pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
                 stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
-                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER_DY, INPUT_PRECISION, UPCAST,
+                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST,
             )
 
 
@@ -387,15 +388,16 @@ def _select(dy: torch.Tensor, policy: RowPolicy, with_db: bool, interpret: bool)
     return keep, block_counts, db_partial, tiles["BLOCK_M"]
 
 
-def _compact(dy, x, keep, block_counts, block_m, copy_dy: bool, interpret: bool):
-    """``(perm, count, dy_kept, x_kept)``: the copies are ``(M, ·)`` buffers whose first ``count``
-    rows are the kept rows (``None`` where not asked for)."""
+def _compact(dy, x, keep, block_counts, block_m, copy: bool, interpret: bool):
+    """``(perm, count, dy_kept, x_kept)``: with ``copy``, ``(M, ·)`` buffers whose first
+    ``count`` rows are the kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``);
+    without, ``None``."""
     M, N = dy.shape
     K = 0 if x is None else x.shape[1]
     perm = torch.empty(M, dtype=torch.int32, device=dy.device)
     count = torch.empty(1, dtype=torch.int32, device=dy.device)
-    dy_kept = torch.empty_like(dy, memory_format=torch.contiguous_format) if copy_dy else None
-    x_kept = None if x is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
+    dy_kept = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if copy else None
+    x_kept = torch.empty((M, K), dtype=x.dtype, device=x.device) if copy and x is not None else None
     num_blocks = block_counts.shape[0]
     _compact_kernel[(num_blocks,)](
         keep, block_counts, perm, count,
@@ -403,7 +405,7 @@ def _compact(dy, x, keep, block_counts, block_m, copy_dy: bool, interpret: bool)
         M, N, K, num_blocks,
         dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
         BLOCK_M=block_m, BLOCK_COPY=64 if interpret else 256, COUNTS_CHUNK=64 if interpret else 1024,
-        COPY_DY=copy_dy, COPY_X=x is not None, num_warps=4,
+        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, num_warps=4,
     )
     return perm, count, dy_kept, x_kept
 
@@ -431,7 +433,7 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
 def sebp_gemms(
     dy: torch.Tensor,
     weight: torch.Tensor | None,
-    x_kept: torch.Tensor | None,
+    x: torch.Tensor | None,
     perm: torch.Tensor,
     count: torch.Tensor,
     out_dtype: torch.dtype,
@@ -447,41 +449,40 @@ def sebp_gemms(
             ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
             kept rows in ``perm`` order; the rest is never read).
         weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``; ``None``: no dX.
-        x_kept: ``(M, K)`` contiguous, the kept rows of the layer input first, in ``perm`` order;
-            ``None``: no dW.
+        x: ``(M, K)`` layer input, full or compacted as ``dy`` is; ``None``: no dW.
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
         out_dtype: dtype of dW (the weight's).
-        compacted: which of the two ``dy`` is.
+        compacted: whether ``dy`` and ``x`` are the compacted copies.
         config: :func:`default_config`'s form; ``None`` takes the default.
 
     Returns:
         ``dX`` ``(M, K)`` in ``dy``'s dtype and ``dW`` ``(N, K)`` in ``out_dtype``, each ``None``
         where not asked for.
     """
-    interpret = check_device(*(t for t in (dy, weight, x_kept, perm, count) if t is not None))
+    interpret = check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
     M, N = dy.shape
-    K = (weight if weight is not None else x_kept).shape[1]
+    K = (weight if weight is not None else x).shape[1]
     cfg = config or default_config(dy.dtype, K, interpret)
     dx_tile, dw_tile = cfg["dx"], cfg["dw"]
     dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=dy.device)
-    dw = None if x_kept is None else torch.empty((N, K), dtype=out_dtype, device=dy.device)
+    dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=dy.device)
     dx_programs = 0 if dx is None else triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"])
     dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
     split = 1 if dw is None else _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), dy.device, interpret)
     dw_out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dy.device)
     dw_programs = 0 if dw is None else dw_tiles * split
-    if M * N * K == 0 or dx_programs + dw_programs == 0:
+    if M * N * K == 0:
         return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
     _grads_kernel[(dw_programs + dx_programs,)](
-        dy, dy if weight is None else weight, dy if x_kept is None else x_kept, perm, count,
+        dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw_out is None else dw_out,
         M, N, K, dw_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
-        *((0, 0) if dx is None else dx.stride()), N * K,
+        *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()), N * K,
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, DO_DX=dx is not None, DO_DW=dw is not None, GATHER_DY=not compacted,
+        SPLIT=split, DO_DX=dx is not None, DO_DW=dw is not None, GATHER=not compacted,
         **_dot_options(dy.dtype, interpret), **cfg["launch"],
     )
     if split > 1:
@@ -492,8 +493,9 @@ def sebp_gemms(
     return dx, dw
 
 
-# dY is copied to contiguous rows unless it is as wide as a vocabulary: an LM head's (M, 128k)
-# gradient would need a second buffer of the logits' size, for loads that gain little there.
+# The kept rows of dY and X are copied to contiguous buffers unless dY is as wide as a vocabulary:
+# an LM head's (M, 128k) gradient would need a second buffer of the logits' size. The GEMMs then
+# read both through perm (`benchmarks/layer_torch.py` times both ways: `sebp_triton_gather`).
 _MAX_COPIED_COLUMNS = 16384
 
 
@@ -527,11 +529,11 @@ def sebp_grads(
         db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
         return dx, dw, db
     keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
-    compacted = N <= _MAX_COPIED_COLUMNS
-    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, compacted, interpret)
+    copy = N <= _MAX_COPIED_COLUMNS
+    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, copy, interpret)
     dx, dw = sebp_gemms(
-        dy_kept if compacted else dy, weight, x_kept, perm, count, dy.dtype if x is None else x.dtype,
-        compacted=compacted,
+        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
+        dy.dtype if x is None else x.dtype, compacted=copy,
     )
     db = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dw, db
