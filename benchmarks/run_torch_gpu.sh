@@ -19,9 +19,9 @@ cat "$out/card.txt"
 stage() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; SECONDS=0; timeout "$limit" "$@"; echo "== rc $? after ${SECONDS}s"; }
 stage 100 $py -m pytest parity_tests/test_torch_sebp_linear.py parity_tests/test_torch_hf.py -m gpu -q -x \
   -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml" 2>&1 | tail -8
-stage 30 $py -m benchmarks.layer_torch --check --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 \
+stage 50 $py -m benchmarks.layer_torch --check --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 \
   --out "$out/torch_layer.json" 2>&1 | tail -16
-stage 160 $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 150 \
+stage 150 $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 140 \
   --variants torch-dense torch-sebp torch-bound torch-sebp-topn torch-dense-compiled 2>&1 | tail -4
 stage 140 $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 130 \
   --workloads piqa obqa full_length --variants torch-dense torch-sebp torch-bound torch-dense-compiled 2>&1 | tail -4
