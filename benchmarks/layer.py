@@ -5,8 +5,13 @@ gradient is ``batch`` sequences whose first ``fraction`` of tokens are real (ran
 and the rest padding (zero rows). Timed, each jitted on its own:
 
 * every ``--impls`` backend: ``jax.vjp`` of ``sebp_matmul(x, kernel, impl=...)`` at ``dy``
-  (``dense`` is the plain backward);
+  (``dense`` is the plain backward). A suffix picks a variant: ``-nocond`` (``crossover=1.0``:
+  the sparse path at every fraction, no conditional), ``-plan`` (besides, the kept rows handed in
+  as a row plan made beforehand, as a model step makes it once for all its layers);
 * ``ideal``: the two dense matmuls on rows compacted beforehand, the floor SEBP aims at.
+
+On a GPU the default timer is ``loop`` (:func:`benchmarks.timing.loop_time_ms`: the slope between
+jitted ``fori_loop``\ s of 20 and 40 chained calls).
 
 Prints a markdown table and writes JSON (``--out``) with a markdown copy beside it::
 
@@ -29,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
-from benchmarks.timing import device_time_ms, environment
-from sebp_jax import sebp_matmul
+from benchmarks.timing import device_time_ms, environment, loop_time_ms
+from sebp_jax import row_plan, sebp_matmul
 
 FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 IDEAL = "ideal"
@@ -66,16 +71,38 @@ def device_timer(cases: Cases, *, trials: int) -> dict[str, list[float]]:
           for name, (fn, input_sets) in cases.items()}
 
 
+def loop_timer(cases: Cases, *, trials: int) -> dict[str, list[float]]:
+  """Device time of each case (:func:`benchmarks.timing.loop_time_ms`) on its first input set."""
+  return {name: [loop_time_ms(fn, input_sets[0], trials=trials)]
+          for name, (fn, input_sets) in cases.items()}
+
+
 # How the backwards are timed: `(cases, trials=) -> {name: [ms per round]}`.
-TIMERS = {"wall": wall_time_ms, "device": device_timer}
+TIMERS = {"wall": wall_time_ms, "device": device_timer, "loop": loop_timer}
+# Variants of an impl, by suffix: sebp_matmul's keyword arguments.
+_SUFFIXES = {"-nocond": dict(crossover=1.0), "-plan": dict(crossover=1.0)}
 
 
 def sebp_backward(impl: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """``(x, kernel, dy) -> (dx, dkernel)`` of ``sebp_matmul`` with ``impl``, exact policy."""
-  def backward(x, kernel, dy):
-    _, vjp = jax.vjp(lambda x, k: sebp_matmul(x, k, impl=impl), x, kernel)
+  """``(x, kernel, dy[, plan]) -> (dx, dkernel)`` of ``sebp_matmul``, exact policy; ``impl`` may
+  carry a suffix of :data:`_SUFFIXES` (``-plan``: the row plan is the fourth argument)."""
+  base, options = impl, {}
+  for suffix, extra in _SUFFIXES.items():
+    if impl.endswith(suffix):
+      base, options = impl[:-len(suffix)], extra
+
+  def backward(x, kernel, dy, plan=None):
+    _, vjp = jax.vjp(lambda x, k: sebp_matmul(x, k, impl=base, rows=plan, **options), x, kernel)
     return vjp(dy)
   return backward
+
+
+def _with_plan(impl: str, input_sets: Sequence[tuple]) -> Sequence[tuple]:
+  """``input_sets``, each with its row plan (the non-zero rows of its ``dy``) for a ``-plan``
+  impl."""
+  if not impl.endswith("-plan"):
+    return input_sets
+  return [(x, kernel, dy, row_plan(jnp.any(dy != 0, axis=1))) for x, kernel, dy in input_sets]
 
 
 def ideal_backward(x_rows, kernel, dy_rows):
@@ -104,9 +131,9 @@ def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[
       base = dict(shape=shape_name, M=shape.rows, K=shape.in_features, N=shape.out_features,
                   active_rows=count, active_fraction=count / shape.rows)
       reference = jax.jit(sebp_backward("dense"))(*sets[0])
-      errors = {impl: _relative_error(jax.jit(sebp_backward(impl))(*sets[0]), reference)
-                for impl in impls}
-      cases = {impl: (sebp_backward(impl), sets) for impl in impls}
+      cases = {impl: (sebp_backward(impl), _with_plan(impl, sets)) for impl in impls}
+      errors = {impl: _relative_error(jax.jit(fn)(*inputs[0]), reference)
+                for impl, (fn, inputs) in cases.items()}
       samples = timer({**cases, IDEAL: (ideal_backward, ideal_sets)}, trials=reps)
       times = {impl: statistics.median(ms) for impl, ms in samples.items()}
       for impl, ms in samples.items():
@@ -114,6 +141,7 @@ def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[
         speedup = (statistics.median(d / t for d, t in zip(samples["dense"], ms))
                    if "dense" in samples else None)
         rows.append({**base, "impl": impl, "bwd_ms": times[impl], "speedup_vs_dense": speedup,
+                     "over_ideal": times[impl] / times[IDEAL] if times[IDEAL] > 0 else None,
                      "rel_err_vs_dense": errors.get(impl)})
       print(f"{shape_name:>14} {count / shape.rows:6.1%}  " + "  ".join(
         f"{impl}={ms:.2f}ms" for impl, ms in times.items()), flush=True)
@@ -123,8 +151,9 @@ def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[
 def markdown_table(rows: Sequence[dict]) -> str:
   """One line per (shape, fraction): each impl's backward time, and its speedup over dense."""
   impls = list(dict.fromkeys(r["impl"] for r in rows))
+  sparse = [i for i in impls if i not in ("dense", IDEAL)]
   header = ["shape", "M", "K→N", "active"] + [f"{i} ms" for i in impls] + [
-    f"{i} speedup" for i in impls if i != "dense"]
+    f"{i} speedup" for i in impls if i != "dense"] + [f"{i} ÷ ideal" for i in sparse]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   groups = dict.fromkeys((r["shape"], r["active_fraction"]) for r in rows)
   for shape, fraction in groups:
@@ -134,6 +163,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
     cells += [f"{by_impl[i]['bwd_ms']:.2f}" for i in impls]
     cells += [f"{by_impl[i]['speedup_vs_dense']:.2f}×" if by_impl[i]["speedup_vs_dense"] else "–"
               for i in impls if i != "dense"]
+    cells += [f"{by_impl[i]['over_ideal']:.2f}" if by_impl[i]["over_ideal"] else "–"
+              for i in sparse]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -149,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="sebp_matmul backends to time; 'dense' is the baseline")
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
   parser.add_argument("--reps", type=int, default=10, help="timed calls (or trials) per point")
-  parser.add_argument("--timer", choices=sorted(TIMERS), default="device" if on_gpu else "wall")
-  parser.add_argument("--input-sets", type=int, default=8 if on_gpu else 1,
+  parser.add_argument("--timer", choices=sorted(TIMERS), default="loop" if on_gpu else "wall")
+  parser.add_argument("--input-sets", type=int, default=1,
                       help="distinct input sets per point (the device timer needs >= 2)")
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="JSON file to write; a .md table is written beside it")

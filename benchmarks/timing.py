@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-__all__ = ["wall_ms", "device_time_ms", "environment"]
+__all__ = ["wall_ms", "device_time_ms", "loop_time_ms", "environment"]
 
 
 def wall_ms(fn: Callable[[], Any]) -> float:
@@ -43,6 +43,38 @@ def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
   # The two programs alternate, so a drift of clocks or of a neighbour's load hits both alike.
   slopes = [(wall_ms(lambda: many(full)) - wall_ms(lambda: many(half))) / (reps - reps // 2)
             for _ in range(trials)]
+  return max(statistics.median(slopes), 0.0)
+
+
+def loop_time_ms(fn: Callable[..., Any], args: Sequence[Any], *, reps: int = 20,
+                 trials: int = 7, chained: int = 1) -> float:
+  """Median device time of one ``fn(*args)`` call, in milliseconds: the slope between one jitted
+  ``fori_loop`` run for ``reps`` and for ``2 * reps`` iterations.
+
+  Each iteration adds zero times one element of ``fn``'s first result to element ``[0, 0]`` of
+  ``args[chained]``, in place: the next call depends on this one (XLA can neither hoist ``fn`` out
+  of the loop nor run two calls at once), while the values, and so the kept rows, stay the same.
+  The default link is the weight (argument 1), not ``dy``: on an H100 XLA copied a ``dy`` updated
+  in place once per iteration when a Pallas kernel had read it (+0.065 ms at BERT's FFN,
+  results/layer_bert_h100_v5_first.json); a weight copy, where XLA makes one, is the smallest
+  operand's. One program serves both trip counts.
+  """
+  import jax.numpy as jnp
+  from jax import lax
+
+  def run(trips, args):
+    def body(_, carry):
+      out = jax.tree.leaves(fn(*carry))[0]
+      link = carry[chained]
+      nudge = (out.ravel()[0] * 0).astype(link.dtype)
+      return (*carry[:chained], link.at[0, 0].add(nudge), *carry[chained + 1:])
+    return lax.fori_loop(0, trips, body, tuple(args))
+
+  looped = jax.jit(run)
+  for trips in (reps, 2 * reps):  # compile and warm up
+    jax.block_until_ready(looped(jnp.int32(trips), args))
+  slopes = [(wall_ms(lambda: looped(jnp.int32(2 * reps), args))
+             - wall_ms(lambda: looped(jnp.int32(reps), args))) / reps for _ in range(trials)]
   return max(statistics.median(slopes), 0.0)
 
 

@@ -4,7 +4,7 @@ For each layer shape and active fraction: verify every configuration against the
 on the masked gradient, then time it beside the dense XLA backward and the ideal (dense matmuls on
 rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``.
 
-    python benchmarks/tune_blocks.py --shapes bert_up bert_down --out tune.json
+    python -m benchmarks.tune_blocks --shapes bert_up bert_down --out tune.json
 """
 
 from __future__ import annotations
@@ -28,23 +28,17 @@ from sebp_jax.policy import RowPolicy, keep_mask
 _Config = pallas_backend.BlockConfig
 CANDIDATES = {
   "default": _Config(),
-  "t128w8s3": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=3,
-                      dw_m=64, dw_k=128, dw_n=128, dw_warps=8, dw_stages=3),
-  "t128w4s4": _Config(dx_m=128, dx_k=128, dx_n=32, dx_warps=4, dx_stages=4,
-                      dw_m=32, dw_k=128, dw_n=128, dw_warps=4, dw_stages=4),
-  "t128x256": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dx_stages=3,
-                      dw_m=64, dw_k=128, dw_n=256, dw_warps=8, dw_stages=3),
-  "t64x256": _Config(dx_m=64, dx_k=256, dx_n=64, dx_warps=4, dx_stages=4,
-                     dw_m=64, dw_k=256, dw_n=64, dw_warps=4, dw_stages=4),
-  # Few kept rows (LLaMA at batch 1): the dX programs that run are one or two row blocks times
-  # K / dx_k column blocks, each streaming its (dx_m + dx_k) x N slice of dy and the kernel;
-  # narrower column blocks spread that stream over more SMs (benchmarks/NOTES.md, "profile").
-  "dx_k32": _Config(dx_k=32),
-  "dx_k16": _Config(dx_k=16),
-  # The same problem solved by splitting each of the first kept rows' dX tiles over N instead:
-  # every program streams 1/dx_split of the row block's N, and the float32 partials are summed.
-  "dx_split4": _Config(dx_split=4, dx_split_rows=128),
-  "dx_split8": _Config(dx_split=8, dx_split_rows=128),
+  # Wider dX tiles: fewer passes over dyc per column block, more work per program.
+  "dx128": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8),
+  "dx128x256": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8),
+  # Wider dW tiles, or longer steps over rows.
+  "dw128x256": _Config(dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
+  "dw_m128": _Config(dw_m=128, dw_k=128, dw_n=128, dw_warps=8),
+  "stages4": _Config(dx_stages=4, dw_stages=4),
+  "big": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64),
+  # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs.
+  "dx_k64": _Config(dx_k=64),
+  "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
 }
 
 _DENSE_BACKWARD = sebp_backward("dense")
@@ -52,6 +46,14 @@ _DENSE_BACKWARD = sebp_backward("dense")
 
 def _selection(dy):
   return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
+
+
+def _kernels(x, w, dy, perm, count, *, config):
+  """Gather, dX and dW on a ready partition: the kernels' own time."""
+  dyc, xc = pallas_backend.gather_pallas([dy, x], perm, count,
+                                         block_m=max(config.dx_m, config.dw_m))
+  return (pallas_backend.dx_pallas(dyc, w, perm, count, config=config),
+          pallas_backend.dw_pallas(xc, dyc, count, config=config))
 
 
 def main() -> None:
@@ -62,6 +64,8 @@ def main() -> None:
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--reps", type=int, default=8)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--kernels", action="store_true",
+                      help="also time gather, dX and dW alone on a ready partition")
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   rows = []
@@ -83,22 +87,22 @@ def main() -> None:
         "selection": device_time_ms(_selection, [s[2:3] for s in sets]),
       }
       for name in args.configs:
-        config = CANDIDATES[name]
+        config = pallas_backend.with_dw_split(CANDIDATES[name], shape.in_features,
+                                              shape.out_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)
         errors = [float(jnp.linalg.norm((g - e).astype(jnp.float32))
                         / jnp.linalg.norm(e.astype(jnp.float32))) for g, e in zip(got, expected)]
         timings[name] = device_time_ms(fn, [s[:3] for s in sets])
-        kernels_only = lambda x, w, dy, perm, count, config=config: (
-          pallas_backend.dx_pallas(dy, w, perm, count, config=config, mask_rows=False),
-          pallas_backend.dw_pallas(x, dy, perm, count, config=config, mask_rows=False))
-        timings[name + "/kernels"] = device_time_ms(
-          kernels_only, [(*s[:3], *_selection(s[2])) for s in sets])
+        if args.kernels:
+          timings[name + "/kernels"] = device_time_ms(
+            functools.partial(_kernels, config=config),
+            [(*s[:3], *_selection(s[2])) for s in sets])
         if max(errors) > 2e-2:
           print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
         rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
-                     "ms": timings[name], "kernels_ms": timings[name + "/kernels"]})
+                     "ms": timings[name], "kernels_ms": timings.get(name + "/kernels")})
       for name in ("dense", "ideal", "xla", "selection"):
         rows.append({**base, "config": name, "ms": timings[name]})
       print(f"{shape_name} {count / shape.rows:5.1%} " + " ".join(

@@ -27,7 +27,9 @@ Variants (:data:`VARIANTS`)
   still read once, as ``jax-bound``) and ``torch-sebp-topn`` (the paper's fixed Top-N,
   ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
-  ``lax.cond``, whose predicate XLA fetches to the host once per layer).
+  ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
+  crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
+  plan (the attention mask: no layer reads its ``dy`` to find the real tokens).
 
 Measurement
   Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
@@ -215,14 +217,17 @@ class Variant:
   """One way of running the model: ``framework`` ``"jax"`` or ``"torch"``, its ``impl``, and for
   the SEBP variants the ``crossover`` passed to :func:`sebp_jax.swap_dense`. ``per_batch``: the
   crossover decided once per step from the batch's real-token fraction
-  (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``max_rows="paper"``: the
-  paper's fixed Top-N of :attr:`ModelSpec.paper_max_rows`; models without one skip the variant."""
+  (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``rows``: besides, the kept
+  rows handed to every layer once per step from the attention mask (a row plan), instead of each
+  layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
+  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant."""
 
   name: str
   framework: str
   impl: str
   crossover: float | None = None
   per_batch: bool = False
+  rows: bool = False
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
 
 
@@ -243,6 +248,8 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-sebp-pallas-nocond", "jax", "pallas", crossover=1.0),
   # One conditional per step instead of one per layer.
   Variant("jax-sebp-pallas-per-batch", "jax", "pallas", per_batch=True),
+  # ... and one row plan per step instead of a score read and a partition per layer.
+  Variant("jax-sebp-pallas-plan", "jax", "pallas", per_batch=True, rows=True),
 )
 BASELINE = "jax-dense"
 
@@ -331,7 +338,9 @@ def _jax_value_and_grad(variant: Variant, fun: Callable[[Any, Batch], Any]) -> C
     return jax.value_and_grad(fun)
   from sebp_jax import sebp_value_and_grad
 
-  return sebp_value_and_grad(fun, lambda params, batch: jax.numpy.mean(batch["attention_mask"]),
+  mask = lambda params, batch: batch["attention_mask"]
+  return sebp_value_and_grad(fun, rows=mask if variant.rows else None,
+                             active_fraction=lambda *args: jax.numpy.mean(mask(*args)),
                              impl=variant.impl, crossover=variant.crossover)
 
 

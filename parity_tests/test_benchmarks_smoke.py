@@ -154,11 +154,13 @@ def test_free_linear_backward_reaches_the_models_tied_head():
 
 
 @pytest.mark.parametrize("name,conds,kernels", [
-  # Kernels: partition, dX and dW in the second layer; partition and dW in the first, whose
-  # input (the batch) needs no gradient.
-  ("jax-sebp-pallas", 2, 5),            # one conditional in each layer
-  ("jax-sebp-pallas-nocond", 0, 5),     # crossover=1.0: none
-  ("jax-sebp-pallas-per-batch", 1, 5),  # one for the step, none in the layers
+  # Kernels: partition, gather, dX and dW in the second layer; partition, gather and dW in the
+  # first, whose input (the batch) needs no gradient. With the row plan, no partition: the plan's
+  # permutation is made once, by XLA.
+  ("jax-sebp-pallas", 2, 7),            # one conditional in each layer
+  ("jax-sebp-pallas-nocond", 0, 7),     # crossover=1.0: none
+  ("jax-sebp-pallas-per-batch", 1, 7),  # one for the step, none in the layers
+  ("jax-sebp-pallas-plan", 1, 5),
   ("jax-dense", 0, 0),
 ])
 def test_variants_build_their_value_and_grad(name, conds, kernels):

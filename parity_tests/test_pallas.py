@@ -196,8 +196,8 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, dX and dW; one more for the split dX tiles.
-  expected = 4 if split.get("dx_split", 1) > 1 else 3
+  # Partition, gather, dX and dW; one more for the split dX tiles.
+  expected = 5 if split.get("dx_split", 1) > 1 else 4
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 

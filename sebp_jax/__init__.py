@@ -8,6 +8,8 @@ are kept and ``sebp_matmul`` for the contract.
 from sebp_jax.batch_crossover import sebp_value_and_grad
 from sebp_jax.linen import SEBPDense, swap_dense
 from sebp_jax.matmul import sebp_matmul
+from sebp_jax.plan import RowPlan, row_plan
 from sebp_jax.policy import RowPolicy
 
-__all__ = ["RowPolicy", "sebp_matmul", "SEBPDense", "swap_dense", "sebp_value_and_grad"]
+__all__ = ["RowPolicy", "RowPlan", "row_plan", "sebp_matmul", "SEBPDense", "swap_dense",
+           "sebp_value_and_grad"]

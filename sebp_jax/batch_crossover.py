@@ -19,6 +19,7 @@ from jax import lax
 
 from sebp_jax.linen import ModulePath, swap_dense
 from sebp_jax.matmul import _check_crossover, resolve_impl
+from sebp_jax.plan import row_plan
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["sebp_value_and_grad"]
@@ -33,8 +34,10 @@ def _measured_crossover() -> float:
 
 def sebp_value_and_grad(
   fun: Callable[..., Any],
-  active_fraction: Callable[..., jax.Array],
+  active_fraction: Callable[..., jax.Array] | None = None,
   *,
+  rows: Callable[..., jax.Array] | None = None,
+  check_rows: bool = False,
   crossover: float | None = None,
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
@@ -57,7 +60,14 @@ def sebp_value_and_grad(
       Flax model when called (not be a function jitted elsewhere: see :func:`swap_dense`).
     active_fraction: called with ``fun``'s arguments, returns a scalar: the fraction of rows
       that carry real tokens, e.g. ``lambda params, batch: batch["attention_mask"].mean()``.
-      Only the speed depends on it.
+      Only the speed depends on it. Optional with ``rows``: the mask's mean.
+    rows: called with ``fun``'s arguments, returns the mask of real tokens over the layers'
+      leading dims, e.g. ``lambda params, batch: batch["attention_mask"]``: a row plan
+      (:func:`sebp_jax.row_plan`) made once per step and shared by every layer of that shape, so
+      no layer reads ``dy`` to find its rows. Exact when every row outside the mask has a zero
+      output gradient (padding that attention and the loss ignore).
+    check_rows: with ``rows``, verify in every layer that no row outside the mask has a non-zero
+      gradient, raising an error that names the layer (for tests and first runs).
     crossover: above this fraction the dense backward runs; at or below it, every selected Dense
       runs the SEBP backward with no per-layer conditional. ``None``: the Pallas backward's
       measured default (0.4); ``>= 1``: always SEBP, no conditional at all.
@@ -82,6 +92,11 @@ def sebp_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f"sebp_value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
+  if rows is not None and not callable(rows):
+    raise TypeError(f"sebp_value_and_grad: `rows` must be callable (the arguments of `fun` -> a "
+                    f"mask over the layers' leading dims), got {type(rows).__name__}.")
+  if active_fraction is None and rows is not None:
+    active_fraction = lambda *args, **kwargs: jnp.mean(jnp.asarray(rows(*args, **kwargs)) != 0)
   if not callable(active_fraction):
     raise TypeError(f"sebp_value_and_grad: `active_fraction` must be callable (the arguments of "
                     f"`fun` -> a scalar), got {type(active_fraction).__name__}.")
@@ -92,7 +107,8 @@ def sebp_value_and_grad(
   dense = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def sparse(*args, **kwargs):
-    with swap_dense(RowPolicy(), where=where, impl=impl, crossover=1.0):
+    plan = None if rows is None else row_plan(rows(*args, **kwargs), check=check_rows)
+    with swap_dense(RowPolicy(), where=where, impl=impl, crossover=1.0, rows=plan):
       return dense(*args, **kwargs)
 
   if crossover >= 1.0:

@@ -7,12 +7,14 @@ SEBP lives entirely inside that matmul (:class:`sebp_jax.matmul.SEBPDotGeneral`)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Iterator
 
 import flax.linen as nn
 import jax
 
 from sebp_jax.matmul import SEBPDotGeneral
+from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["SEBPDense", "swap_dense", "swap_dot_general"]
@@ -70,6 +72,7 @@ def swap_dense(
   where: Callable[[ModulePath], bool] | None = None,
   impl: str = "auto",
   crossover: float | None = None,
+  rows: RowPlan | None = None,
 ) -> Iterator[None]:
   """Run every ``nn.Dense`` called inside the block with the SEBP backward.
 
@@ -88,6 +91,9 @@ def swap_dense(
     impl: the backward's backend, as in :func:`sebp_jax.sebp_matmul`.
     crossover: the kept-row fraction above which the dense backward runs instead, as in
       :func:`sebp_jax.sebp_matmul` (``1.0``: never, no conditional compiled).
+    rows: a row plan made once per step (:func:`sebp_jax.row_plan` of the batch's mask), shared
+      by every layer whose input's leading dims are the mask's: those layers skip their score
+      read and partition. Exact policy only; see :func:`sebp_jax.sebp_matmul`.
 
   >>> import jax, jax.numpy as jnp
   >>> import flax.linen as nn
@@ -97,7 +103,7 @@ def swap_dense(
   >>> with swap_dense(where=lambda path: path[-1] == "layers_2"):
   ...   grads = jax.grad(lambda p: model.apply(p, x).sum())(params)
   """
-  with swap_dot_general(SEBPDotGeneral(policy, impl, crossover), where=where):
+  with swap_dot_general(SEBPDotGeneral(policy, impl, crossover, rows), where=where):
     yield
 
 
@@ -118,6 +124,12 @@ def swap_dot_general(
   def selected(path: ModulePath) -> bool:
     return where is None or where(path)
 
+  def named(path: ModulePath) -> Callable[..., jax.Array]:
+    # A checking row plan names the layer it catches.
+    if isinstance(dot_general, SEBPDotGeneral) and dot_general.rows is not None:
+      return dataclasses.replace(dot_general, name="/".join(path) or "<unnamed Dense>")
+    return dot_general
+
   def interceptor(next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     if (type(module) is nn.Dense  # subclasses (SEBPDense among them) keep their own matmul
@@ -126,14 +138,14 @@ def swap_dot_general(
         and module.dot_general_cls is None
         and selected(tuple(module.path))):
       # Dense reads its `dot_general` field in __call__: set it for this call only.
-      object.__setattr__(module, "dot_general", dot_general)
+      object.__setattr__(module, "dot_general", named(tuple(module.path)))
       try:
         return next_fun(*args, **kwargs)
       finally:
         object.__setattr__(module, "dot_general", None)
     if (isinstance(module, nn.Embed) and method == "attend"
         and selected((*module.path, "attend"))):
-      return _embed_attend(module, *args, dot_general=dot_general, **kwargs)
+      return _embed_attend(module, *args, dot_general=named((*module.path, "attend")), **kwargs)
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(interceptor):

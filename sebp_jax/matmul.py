@@ -18,6 +18,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from sebp_jax.backends import xla as xla_backend
+from sebp_jax.plan import RowPlan, check_plan_covers
 from sebp_jax.policy import RowPolicy
 
 __all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
@@ -82,34 +83,48 @@ def _check_operands(x, kernel, bias) -> None:
       f"sebp_matmul: `bias` must have shape ({kernel.shape[1]},), got {bias.shape}.")
 
 
+def _check_rows(rows, policy: RowPolicy) -> None:
+  if rows is None:
+    return
+  if not isinstance(rows, RowPlan):
+    raise TypeError(f"sebp_matmul: `rows` must be a RowPlan (sebp_jax.row_plan(mask)) or None, "
+                    f"got {type(rows).__name__}.")
+  if not policy.is_exact:
+    raise ValueError(f"sebp_matmul: a row plan (`rows`) replaces the policy's selection; it "
+                     f"needs the exact policy RowPolicy(), got {policy}.")
+
+
 def _forward(x, kernel, precision):
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, x, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name, x, kernel, plan):
   return _forward(x, kernel, precision)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, x, kernel):
+def _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision)
   saved_x = x.value if kernel.perturbed else None
   saved_kernel = kernel.value if x.perturbed else None
-  return y, (saved_x, saved_kernel)
+  plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
+  return y, (saved_x, saved_kernel, plan)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, residuals, dy):
-  saved_x, saved_kernel = residuals
+def _sebp_product_bwd(policy, impl, crossover, precision, name, residuals, dy):
+  saved_x, saved_kernel, plan = residuals
   if isinstance(dy, SymbolicZero):
-    return None, None
+    return None, None, None
   x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
   dy2d = dy.reshape(-1, dy.shape[-1])
+  if plan is not None and plan.check:
+    check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
   dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
-                                       precision=precision)
+                                       precision=precision, plan=plan)
   dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
-  return dx, dw
+  return dx, dw, None
 
 
 _sebp_product.defvjp(_sebp_product_fwd, _sebp_product_bwd, symbolic_zeros=True)
@@ -124,6 +139,8 @@ def sebp_matmul(
   impl: str = "auto",
   precision: Any = None,
   crossover: float | None = None,
+  rows: RowPlan | None = None,
+  name: str | None = None,
 ) -> jax.Array:
   """``x @ kernel + bias`` with the SEBP backward.
 
@@ -146,6 +163,11 @@ def sebp_matmul(
       BERT-base step), so training on short sequences that never cross is faster without it
       (:func:`sebp_jax.sebp_value_and_grad` decides once per step instead). The ``xla`` backend
       has its own capacity switch and ignores it.
+    rows: a :class:`sebp_jax.RowPlan` (:func:`sebp_jax.row_plan`): the kept rows decided once
+      per step from the batch's mask, so the backward skips its score read and partition; the
+      result is the dense backward of ``dy * plan[:, None]``. Exact policy only. Ignored (``dy``
+      scored as usual) when ``x``'s leading dims are not the plan's.
+    name: the layer's name in the errors of a checking plan (``row_plan(..., check=True)``).
 
   Returns:
     ``(..., N)`` output in the promoted dtype of ``x``, ``kernel`` (and ``bias``); each gradient
@@ -162,6 +184,7 @@ def sebp_matmul(
   if not isinstance(policy, RowPolicy):
     raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
   _check_crossover(crossover)
+  _check_rows(rows, policy)
   impl = resolve_impl(impl)
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
@@ -170,7 +193,8 @@ def sebp_matmul(
   if impl == "dense":
     y = _forward(x, kernel, precision)
   else:
-    y = _sebp_product(policy, impl, crossover, precision, x, kernel)
+    plan = rows if rows is not None and rows.applies_to(x) else None
+    y = _sebp_product(policy, impl, crossover, precision, name, x, kernel, plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
@@ -191,6 +215,8 @@ class SEBPDotGeneral:
   policy: RowPolicy = RowPolicy()
   impl: str = "auto"
   crossover: float | None = None
+  rows: RowPlan | None = None
+  name: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.policy, RowPolicy):
@@ -198,6 +224,7 @@ class SEBPDotGeneral:
     # Reject an unknown impl or a bad crossover when the layer is built, not when it first runs.
     resolve_impl(self.impl)
     _check_crossover(self.crossover)
+    _check_rows(self.rows, self.policy)
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, **kwargs):
@@ -211,7 +238,7 @@ class SEBPDotGeneral:
       return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                              preferred_element_type=preferred_element_type, **kwargs)
     return sebp_matmul(lhs, rhs, policy=self.policy, impl=self.impl, precision=precision,
-                       crossover=self.crossover)
+                       crossover=self.crossover, rows=self.rows, name=self.name)
 
 
 def _same_dims(dims, expected) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
 __all__ = ["backward", "dense_backward", "capacities", "DX_DIMS", "DW_DIMS"]
@@ -54,12 +55,14 @@ def _products(x, kernel, dy, precision):
   return dx, dw
 
 
-def dense_backward(x, kernel, dy, keep, *, policy: RowPolicy, precision=None):
+def dense_backward(x, kernel, dy, keep, *, policy: RowPolicy, precision=None,
+                   planned: bool = False):
   """The dense backward of the masked gradient ``dy * keep[:, None]``.
 
-  Under the exact policy every dropped row is already zero, so the mask is skipped.
+  Under the exact policy every dropped row is already zero, so the mask is skipped; a ``planned``
+  ``keep`` (a :class:`~sebp_jax.plan.RowPlan`'s) is not read off ``dy`` and is always applied.
   """
-  if not policy.is_exact:
+  if planned or not policy.is_exact:
     dy = jnp.where(keep[:, None], dy, jnp.zeros((), dy.dtype))
   return _products(x, kernel, dy, precision)
 
@@ -82,7 +85,7 @@ def _compact_backward(capacity, x, kernel, dy, perm, count, *, precision):
   return dx, dw
 
 
-def backward(x, kernel, dy, *, policy: RowPolicy, precision=None):
+def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan | None = None):
   """SEBP backward of ``y = x @ kernel`` in XLA.
 
   Args:
@@ -91,17 +94,23 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None):
     dy: ``(M, N)`` output gradient.
     policy: which rows to keep.
     precision: ``lax.Precision`` of the two matmuls.
+    plan: the kept rows, decided once per step (:class:`sebp_jax.plan.RowPlan`): no score read
+      and no partition here. ``policy`` must then be the exact one.
 
   Returns:
     ``(dx, dw)``: ``(M, K)`` and ``(K, N)``, ``None`` where not asked for; equal to the dense
     backward of ``dy * keep[:, None]`` up to summation order.
   """
-  keep = keep_mask(dy, policy)
+  keep = keep_mask(dy, policy) if plan is None else plan.keep
   caps = capacities(dy.shape[0])
-  dense = lambda: dense_backward(x, kernel, dy, keep, policy=policy, precision=precision)
+  dense = lambda: dense_backward(x, kernel, dy, keep, policy=policy, precision=precision,
+                                 planned=plan is not None)
   if not caps:
     return dense()
-  perm, count = active_first_permutation(keep)
+  if plan is None:
+    perm, count = active_first_permutation(keep)
+  else:  # positions below every capacity (< M) name real rows only
+    perm, count = plan.perm, plan.count[0]
   branches = [
     lambda cap=cap: _compact_backward(cap, x, kernel, dy, perm, count, precision=precision)
     for cap in caps
