@@ -247,6 +247,23 @@ def test_triton_reads_wide_gradients_through_the_permutation(dtype, policy, patt
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_triton_bias_gradient_sums_every_row(rows, device):
+    """db adds the row blocks' partial sums, a chunk of columns per program: with few rows and
+    many columns one program takes several chunks. Dropped rows and NaN count (db is unmasked)."""
+    _skip_unavailable("triton", device)
+    gen = _generator("db", rows)
+    dy = torch.randn(rows, 300, generator=gen)
+    dy[rows // 2] = 0  # a dropped row
+    dy[-1, 7] = math.nan
+    x = torch.randn(rows, 20, generator=gen).to(device)
+    weight = torch.randn(300, 20, generator=gen).to(device).requires_grad_()
+    bias = torch.randn(300, generator=gen).to(device).requires_grad_()
+    (db,) = torch.autograd.grad(sebp_linear(x, weight, bias, impl="triton"), (bias,), dy.to(device))
+    torch.testing.assert_close(db.cpu().double(), dy.double().sum(0), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [0, 1, 37, 613])
 @pytest.mark.parametrize("policy", POLICIES + [RowPolicy(max_rows=1000)], ids=str)

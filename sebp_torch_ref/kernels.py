@@ -12,7 +12,8 @@ whole backward can be captured in a CUDA graph.
    ``max_rows`` policies rank rows with torch ops first and pass the flags in.
 2. **compact** (the same grid): each block adds up the counts of the blocks before it, writes its
    rows' places in the active-first permutation ``perm`` (kept rows first, each part in row
-   order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers.
+   order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers;
+   the first programs also add up ``db``'s partial sums, a chunk of columns each.
 3. **GEMMs**, one launch whose first programs compute dW and the rest dX, so that with few kept
    rows the two small products share the GPU instead of running one after the other:
 
@@ -112,13 +113,15 @@ def _copy_rows(src_ptr, dst_ptr, rows, dest, kept, width, stride_m, stride_k, BL
 @triton.jit
 def _compact_kernel(
     keep_ptr, block_counts_ptr, perm_ptr, count_ptr,
-    dy_ptr, x_ptr, dy_kept_ptr, x_kept_ptr,
+    dy_ptr, x_ptr, dy_kept_ptr, x_kept_ptr, db_partial_ptr, db_ptr,
     M, N, K, num_blocks,
     stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_COPY: tl.constexpr, COUNTS_CHUNK: tl.constexpr,
     COPY_DY: tl.constexpr, COPY_X: tl.constexpr,
+    WITH_DB: tl.constexpr, BLOCK_DB: tl.constexpr, DB_BLOCKS: tl.constexpr,
 ):
-    """perm and count from the blocks' counts; the kept rows of dY and X copied to their slots."""
+    """perm and count from the blocks' counts; the kept rows of dY and X copied to their slots;
+    ``db`` from the blocks' partial column sums."""
     pid = tl.program_id(0)
     # Kept rows in all blocks and in the blocks before this one (a few hundred int32: every
     # program reads them all rather than waiting on a separate scan).
@@ -144,6 +147,21 @@ def _compact_kernel(
         _copy_rows(dy_ptr, dy_kept_ptr, rows, dest, kept, N, stride_dym, stride_dyn, BLOCK_COPY)
     if COPY_X:
         _copy_rows(x_ptr, x_kept_ptr, rows, dest, kept, K, stride_xm, stride_xk, BLOCK_COPY)
+    if WITH_DB:
+        # A chunk of BLOCK_DB columns per program (programs take chunks pid, pid + num_blocks, ...):
+        # the blocks' partial sums added in block order, so db does not depend on scheduling.
+        for chunk in range(pid, tl.cdiv(N, BLOCK_DB), num_blocks):
+            cols = chunk * BLOCK_DB + tl.arange(0, BLOCK_DB)
+            acc = tl.zeros((BLOCK_DB,), dtype=tl.float32)
+            for b0 in range(0, num_blocks, DB_BLOCKS):
+                blocks = b0 + tl.arange(0, DB_BLOCKS)
+                partial = tl.load(
+                    db_partial_ptr + blocks[:, None] * N + cols[None, :],
+                    mask=(blocks[:, None] < num_blocks) & (cols[None, :] < N),
+                    other=0.0,
+                )
+                acc += tl.sum(partial, axis=0)
+            tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -388,26 +406,29 @@ def _select(dy: torch.Tensor, policy: RowPolicy, with_db: bool, interpret: bool)
     return keep, block_counts, db_partial, tiles["BLOCK_M"]
 
 
-def _compact(dy, x, keep, block_counts, block_m, copy: bool, interpret: bool):
-    """``(perm, count, dy_kept, x_kept)``: with ``copy``, ``(M, ·)`` buffers whose first
-    ``count`` rows are the kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``);
-    without, ``None``."""
+def _compact(dy, x, keep, block_counts, block_m, copy: bool, interpret: bool, db_partial=None, db_dtype=None):
+    """``(perm, count, dy_kept, x_kept, db)``: with ``copy``, ``(M, ·)`` buffers whose first
+    ``count`` rows are the kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``),
+    without, ``None``; ``db`` (``(N,)`` in ``db_dtype``) where ``db_partial`` is given."""
     M, N = dy.shape
     K = 0 if x is None else x.shape[1]
     perm = torch.empty(M, dtype=torch.int32, device=dy.device)
     count = torch.empty(1, dtype=torch.int32, device=dy.device)
     dy_kept = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if copy else None
     x_kept = torch.empty((M, K), dtype=x.dtype, device=x.device) if copy and x is not None else None
+    db = None if db_partial is None else torch.empty(N, dtype=db_dtype, device=dy.device)
     num_blocks = block_counts.shape[0]
     _compact_kernel[(num_blocks,)](
         keep, block_counts, perm, count,
         dy, dy if x is None else x, perm if dy_kept is None else dy_kept, perm if x_kept is None else x_kept,
+        perm if db_partial is None else db_partial, perm if db is None else db,
         M, N, K, num_blocks,
         dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
         BLOCK_M=block_m, BLOCK_COPY=64 if interpret else 256, COUNTS_CHUNK=64 if interpret else 1024,
-        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, num_warps=4,
+        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=db is not None,
+        BLOCK_DB=16 if interpret else 64, DB_BLOCKS=4 if interpret else 64, num_warps=4,
     )
-    return perm, count, dy_kept, x_kept
+    return perm, count, dy_kept, x_kept, db
 
 
 def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,7 +447,7 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
         return (torch.empty(0, dtype=torch.int32, device=dy.device),
                 torch.zeros(1, dtype=torch.int32, device=dy.device))
     keep, block_counts, _, block_m = _select(dy, policy, False, interpret)
-    perm, count, _, _ = _compact(dy, None, keep, block_counts, block_m, False, interpret)
+    perm, count, _, _, _ = _compact(dy, None, keep, block_counts, block_m, False, interpret)
     return perm, count
 
 
@@ -530,10 +551,10 @@ def sebp_grads(
         return dx, dw, db
     keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
     copy = N <= _MAX_COPIED_COLUMNS
-    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, copy, interpret)
+    perm, count, dy_kept, x_kept, db = _compact(
+        dy, x, keep, block_counts, block_m, copy, interpret, db_partial, bias_dtype)
     dx, dw = sebp_gemms(
         dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
         dy.dtype if x is None else x.dtype, compacted=copy,
     )
-    db = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dw, db
