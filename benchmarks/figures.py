@@ -25,7 +25,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.workloads import BASELINE, VARIANTS, speedups  # noqa: E402
+from benchmarks.workloads import BASELINE, EINSUM_BASELINE, VARIANTS, speedups  # noqa: E402
 
 __all__ = ["render"]
 
@@ -86,14 +86,16 @@ def _grouped_bars(ax, cases, variants, value, several_batches: bool) -> None:
 def _speedup_figure(result: dict, path: pathlib.Path) -> None:
   table = _Table.of(result)
   cases, several = table.cases, table.several_batches
-  variants = [v for v in table.variants if v != BASELINE]
+  variants = [v for v in table.variants if v not in (BASELINE, EINSUM_BASELINE)]
   ratios = speedups(result["rows"])
   fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases) + 3), 8), sharex=True)
   for ax, index, title in ((axes[0], 0, "backward"), (axes[1], 1, "train step")):
     _grouped_bars(ax, cases, variants,
                   lambda case, v: ratios.get((*case, v), (None, None))[index], several)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel(f"{title} speedup over {BASELINE}")
+    ax.set_ylabel(f"{title} speedup over {BASELINE}"
+                  + (f" ({EINSUM_BASELINE} for -einsum)" if EINSUM_BASELINE in table.variants
+                     else ""))
   if variants:
     axes[0].legend(ncol=3, fontsize=8)
   axes[0].set_title(f"{result['benchmark']}: {result['gpu']}, {result['dtype']}, "

@@ -10,8 +10,9 @@ and the rest padding (zero rows). Timed, each jitted on its own:
   as a row plan made beforehand, as a model step makes it once for all its layers);
 * ``ideal``: the two dense matmuls on rows compacted beforehand, the floor SEBP aims at.
 
-On a GPU the default timer is ``loop`` (:func:`benchmarks.timing.loop_time_ms`: the slope between
-jitted ``fori_loop``\ s of 20 and 40 chained calls).
+On a GPU the default timer is ``device`` (:func:`benchmarks.timing.device_time_ms`: distinct
+input sets, the slope between programs of R and R/2 calls); ``loop`` (a chained ``fori_loop``) has
+the traps its docstring names.
 
 Prints a markdown table and writes JSON (``--out``) with a markdown copy beside it::
 
@@ -180,8 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="sebp_matmul backends to time; 'dense' is the baseline")
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
   parser.add_argument("--reps", type=int, default=10, help="timed calls (or trials) per point")
-  parser.add_argument("--timer", choices=sorted(TIMERS), default="loop" if on_gpu else "wall")
-  parser.add_argument("--input-sets", type=int, default=1,
+  parser.add_argument("--timer", choices=sorted(TIMERS), default="device" if on_gpu else "wall")
+  parser.add_argument("--input-sets", type=int, default=8 if on_gpu else 1,
                       help="distinct input sets per point (the device timer needs >= 2)")
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="JSON file to write; a .md table is written beside it")

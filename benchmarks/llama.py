@@ -2,6 +2,7 @@
 
 The exact Llama-3.2-3B architecture (28 layers, hidden 3072, GQA 24/8 heads, tied 128,256-token
 embeddings, llama3 RoPE scaling) with random bfloat16 weights, context 4096, batch 1 and 4.
+The ``-einsum`` variants run the same model built from Gemma-style ``nn.Einsum`` layers.
 Workloads: the real token lengths of PIQA, SIQA, CommonsenseQA and OpenBookQA training texts
 (prompt, options and answer; SmolLM2's LLaMA-architecture tokenizer,
 :data:`benchmarks.workloads.LENGTHS_FILE`), and ``full_length``: every row real, where SEBP has
@@ -39,10 +40,11 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def _config(tiny: bool):
+def _config(tiny: bool, layers: int | None = None):
   from sebp_jax.models import LlamaConfig
 
-  return LlamaConfig.llama_3_2_3b(**(_TINY if tiny else {}))
+  layers = {} if layers is None else {"num_hidden_layers": layers}
+  return LlamaConfig.llama_3_2_3b(**{**(_TINY if tiny else {}), **layers})
 
 
 def make_batch(lengths: np.ndarray, seq_len: int, rng: np.random.Generator,
@@ -62,6 +64,13 @@ def _jax_module(config):
   from sebp_jax.models import LlamaForCausalLM
 
   return LlamaForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+
+def _jax_einsum_module(config):
+  """The same model from Gemma-style ``nn.Einsum`` layers (``projections="einsum"``)."""
+  import dataclasses
+
+  return _jax_module(dataclasses.replace(config, projections="einsum"))
 
 
 def _jax_loss(module, params: Any, batch: dict) -> Any:
@@ -125,9 +134,10 @@ def _without_padding_mask(model):
   return RightPaddedCausalLM(model)
 
 
-def build(tiny: bool) -> ModelSpec:
-  """The LLaMA-3.2-3B benchmark (``tiny``: a 1-layer model at context 128, batch 1 and 2)."""
-  config = _config(tiny)
+def build(tiny: bool, layers: int | None = None) -> ModelSpec:
+  """The LLaMA-3.2-3B benchmark (``tiny``: a 1-layer model at context 128, batch 1 and 2);
+  ``layers``: that many of its decoder layers instead of all 28 (or the tiny model's 1)."""
+  config = _config(tiny, layers)
   seq_len = 128 if tiny else 4096
   workloads = tuple(Workload(name, name, dataset_lengths("llama", name)) for name in DATASETS)
   workloads += (Workload("full_length", "every row real", np.array([seq_len])),)
@@ -141,6 +151,7 @@ def build(tiny: bool) -> ModelSpec:
     workloads=workloads,
     make_batch=lambda lengths, seq_len, rng: make_batch(lengths, seq_len, rng, config.vocab_size),
     jax_module=lambda: _jax_module(config),
+    jax_einsum_module=lambda: _jax_einsum_module(config),
     jax_loss=_jax_loss,
     torch_model=lambda device: _torch_model(config, device),
     # Steps of a 3B model last 0.1-1 s and vary little; compiling dominates the run anyway.

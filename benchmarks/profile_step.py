@@ -42,6 +42,7 @@ _FAMILIES = (
   ("SEBP dW", ("sebp_dw", "_split_sum_kernel")),
   ("SEBP dX + dW (one launch)", ("_grads_kernel",)),
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
+  ("SEBP gather", ("sebp_gather", "_gather_kernel")),
   ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),
   ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
   ("copies", ("memcpy", "memset")),

@@ -47,17 +47,18 @@ def device_time_ms(fn: Callable[..., Any], input_sets: Sequence[tuple], *,
 
 
 def loop_time_ms(fn: Callable[..., Any], args: Sequence[Any], *, reps: int = 20,
-                 trials: int = 7, chained: int = 1) -> float:
+                 trials: int = 7, chained: int = 2) -> float:
   """Median device time of one ``fn(*args)`` call, in milliseconds: the slope between one jitted
   ``fori_loop`` run for ``reps`` and for ``2 * reps`` iterations.
 
   Each iteration adds zero times one element of ``fn``'s first result to element ``[0, 0]`` of
-  ``args[chained]``, in place: the next call depends on this one (XLA can neither hoist ``fn`` out
-  of the loop nor run two calls at once), while the values, and so the kept rows, stay the same.
-  The default link is the weight (argument 1), not ``dy``: on an H100 XLA copied a ``dy`` updated
-  in place once per iteration when a Pallas kernel had read it (+0.065 ms at BERT's FFN,
-  results/layer_bert_h100_v5_first.json); a weight copy, where XLA makes one, is the smallest
-  operand's. One program serves both trip counts.
+  ``args[chained]`` (``dy`` for a backward ``(x, kernel, dy)``), in place: the next call depends
+  on this one, while the values, and so the kept rows, stay the same. One program serves both
+  trip counts. Two traps, both measured on an H100 (benchmarks/NOTES.md, "v5"): link through any
+  argument but ``dy`` and XLA hoists whatever does not depend on it out of the loop (``dW`` and
+  the selection, when linking through the weight); link through ``dy`` and XLA may copy ``dy``
+  once per iteration (it did when a Pallas kernel read it: +0.065 ms at BERT's FFN). Prefer
+  :func:`device_time_ms`, which times distinct inputs and has neither.
   """
   import jax.numpy as jnp
   from jax import lax

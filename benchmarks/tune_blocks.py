@@ -39,21 +39,21 @@ CANDIDATES = {
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs.
   "dx_k64": _Config(dx_k=64),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
+  # Few kept rows: the count-adaptive dX split (`with_dx_split` sizes it for the GPU), at most
+  # 2 / 4 / 8 programs per tile, aiming at one working program per SM; and at two per SM
+  # (264 = 2 x the 132 SMs of an H100 or H200), where the tiles' pipelines fit twice in an SM.
+  "dx_split2": _Config(dx_split=2),
+  "dx_split4": _Config(dx_split=4),
+  "dx_split8": _Config(dx_split=8),
+  "dx_split8_fill264": _Config(dx_split=8, dx_fill=264),
 }
+_BASELINES = ("dense", "ideal", "xla", "selection")
 
 _DENSE_BACKWARD = sebp_backward("dense")
 
 
 def _selection(dy):
   return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
-
-
-def _kernels(x, w, dy, perm, count, *, config):
-  """Gather, dX and dW on a ready partition: the kernels' own time."""
-  dyc, xc = pallas_backend.gather_pallas([dy, x], perm, count,
-                                         block_m=max(config.dx_m, config.dw_m))
-  return (pallas_backend.dx_pallas(dyc, w, perm, count, config=config),
-          pallas_backend.dw_pallas(xc, dyc, count, config=config))
 
 
 def main() -> None:
@@ -63,7 +63,10 @@ def main() -> None:
   parser.add_argument("--configs", nargs="+", default=list(CANDIDATES))
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--reps", type=int, default=8)
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--baselines", nargs="*", default=list(_BASELINES), choices=_BASELINES,
+                      help="reference timings per shape and fraction (default: all)")
+  parser.add_argument("--out", default=None, help="JSON file, rewritten after every shape and "
+                      "fraction (so a run cut short keeps what it measured)")
   parser.add_argument("--kernels", action="store_true",
                       help="also time gather, dX and dW alone on a ready partition")
   args = parser.parse_args()
@@ -79,16 +82,18 @@ def main() -> None:
       ideal_sets = [(s[0][keep], s[1], s[2][keep]) for s in sets]
       base = {"shape": shape_name, "M": shape.rows, "K": shape.in_features,
               "N": shape.out_features, "active_fraction": count / shape.rows}
-      timings = {
-        "dense": device_time_ms(_DENSE_BACKWARD, [s[:3] for s in sets]),
-        "ideal": device_time_ms(ideal_backward, ideal_sets),
-        "xla": device_time_ms(functools.partial(xla_backend.backward, policy=RowPolicy()),
-                              [s[:3] for s in sets]),
-        "selection": device_time_ms(_selection, [s[2:3] for s in sets]),
+      baselines = {
+        "dense": lambda: device_time_ms(_DENSE_BACKWARD, [s[:3] for s in sets]),
+        "ideal": lambda: device_time_ms(ideal_backward, ideal_sets),
+        "xla": lambda: device_time_ms(
+          functools.partial(xla_backend.backward, policy=RowPolicy()), [s[:3] for s in sets]),
+        "selection": lambda: device_time_ms(_selection, [s[2:3] for s in sets]),
       }
+      timings = {name: baselines[name]() for name in args.baselines}
       for name in args.configs:
         config = pallas_backend.with_dw_split(CANDIDATES[name], shape.in_features,
                                               shape.out_features)
+        config = pallas_backend.with_dx_split(config, shape.rows, shape.in_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)
@@ -97,20 +102,20 @@ def main() -> None:
         timings[name] = device_time_ms(fn, [s[:3] for s in sets])
         if args.kernels:
           timings[name + "/kernels"] = device_time_ms(
-            functools.partial(_kernels, config=config),
+            functools.partial(pallas_backend.sparse_backward, config=config),
             [(*s[:3], *_selection(s[2])) for s in sets])
         if max(errors) > 2e-2:
           print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
         rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
-                     "ms": timings[name], "kernels_ms": timings.get(name + "/kernels")})
-      for name in ("dense", "ideal", "xla", "selection"):
+                     "ms": timings[name], "kernels_ms": timings.get(name + "/kernels"),
+                     "block_config": dataclasses.asdict(config)})
+      for name in args.baselines:
         rows.append({**base, "config": name, "ms": timings[name]})
       print(f"{shape_name} {count / shape.rows:5.1%} " + " ".join(
         f"{k}={v:.3f}" for k, v in timings.items()), flush=True)
-  result = {**environment(), "dtype": args.dtype, "rows": rows}
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+      if args.out:
+        with open(args.out, "w") as f:
+          json.dump({**environment(), "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ Variants (:data:`VARIANTS`)
   ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
   crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
   plan (the attention mask: no layer reads its ``dy`` to find the real tokens).
+  ``jax-dense-einsum`` and ``jax-sebp-pallas-einsum`` run the same model built from Gemma-style
+  ``nn.Einsum`` layers (:attr:`ModelSpec.jax_einsum_module`, LLaMA only); their speedups are over
+  ``jax-dense-einsum``, so the einsum-built model's SEBP speedup compares with the Dense-built
+  one's in one run.
 
 Measurement
   Every variant runs in its own subprocess (a crash, an out-of-memory or a hang costs that variant
@@ -84,6 +88,7 @@ import numpy as np
 
 __all__ = [
   "LENGTHS_FILE", "TOKENIZERS", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "BASELINE",
+  "EINSUM_BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
@@ -220,7 +225,9 @@ class Variant:
   (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``rows``: besides, the kept
   rows handed to every layer once per step from the attention mask (a row plan), instead of each
   layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
-  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant."""
+  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``layers``: ``"dense"``, the model as
+  :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
+  does."""
 
   name: str
   framework: str
@@ -229,6 +236,12 @@ class Variant:
   per_batch: bool = False
   rows: bool = False
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
+  layers: str = "dense"
+
+  @property
+  def baseline(self) -> str:
+    """The variant whose times this one's speedups divide: the dense run of the same model."""
+    return EINSUM_BASELINE if self.layers == "einsum" else BASELINE
 
 
 # In the order they run: the most telling first, in case the time budget cuts a run short.
@@ -250,8 +263,12 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-sebp-pallas-per-batch", "jax", "pallas", per_batch=True),
   # ... and one row plan per step instead of a score read and a partition per layer.
   Variant("jax-sebp-pallas-plan", "jax", "pallas", per_batch=True, rows=True),
+  # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
+  Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
+  Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),
 )
 BASELINE = "jax-dense"
+EINSUM_BASELINE = "jax-dense-einsum"
 
 
 def _free_matmul_fwd(x, kernel):
@@ -362,6 +379,8 @@ class ModelSpec:
     make_batch: ``(lengths (B,), seq_len, rng) -> {name: int32 array}``: inputs and labels,
       right-padded to ``seq_len``; ``jax-dynamic`` cuts the ``(B, seq_len)`` ones along axis 1.
     jax_module: builds the flax module (bfloat16 parameters and computation).
+    jax_einsum_module: builds the same model from ``nn.Einsum`` layers, for the ``layers="einsum"``
+      variants; ``None``: the model has no such form (those variants are not run by default).
     jax_loss: ``(module, params, batch) -> scalar``: the training loss.
     torch_model: ``(device) -> torch module`` in bfloat16, whose ``forward(**batch).loss`` is the
       same loss.
@@ -379,6 +398,7 @@ class ModelSpec:
   jax_module: Callable[[], Any]
   jax_loss: Callable[[Any, Any, Batch], Any]
   torch_model: Callable[[str], Any]
+  jax_einsum_module: Callable[[], Any] | None = None
   warmup: int = 2
   steps: int = 10
   paper_max_rows: int | None = None
@@ -532,7 +552,12 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   from benchmarks.timing import environment, wall_ms
 
   yield environment()
-  module = spec.jax_module()
+  if variant.layers == "einsum":
+    if spec.jax_einsum_module is None:
+      raise ValueError(f"{variant.name}: the {spec.name} benchmark has no einsum-built model.")
+    module = spec.jax_einsum_module()
+  else:
+    module = spec.jax_module()
   params = random_params(module, spec)
   optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
@@ -827,7 +852,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--tiny", action="store_true",
                       help="a tiny model, context and batch (CPU smoke runs)")
   parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS],
-                      default=[v.name for v in VARIANTS])
+                      help="default: every variant the model has")
   parser.add_argument("--workloads", nargs="+", metavar="NAME",
                       help="run only these workloads (default: all)")
   parser.add_argument("--batches", nargs="+", type=int, metavar="B",
@@ -869,6 +894,9 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   argv = list(sys.argv[1:] if argv is None else argv)
   args = _parser().parse_args(argv)
   spec = _select(build(args.tiny), args)
+  if args.variants is None:
+    args.variants = [v.name for v in VARIANTS
+                     if v.layers == "dense" or spec.jax_einsum_module is not None]
   settings = Settings(spec.warmup if args.warmup is None else args.warmup,
                       spec.steps if args.steps is None else args.steps)
   if settings.warmup < 0 or settings.steps < 1:
@@ -924,12 +952,14 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
 # ----------------------------------------------------------------------------- outputs
 
 def speedups(rows: Sequence[dict]) -> dict[tuple, tuple[float | None, float | None]]:
-  """``(workload, batch, variant) -> (bwd speedup, step speedup)`` against :data:`BASELINE`."""
-  base = {(r["workload"], r["batch"]): r for r in rows
-          if r["variant"] == BASELINE and r["error"] is None}
+  """``(workload, batch, variant) -> (bwd speedup, step speedup)`` against the variant's
+  baseline (:attr:`Variant.baseline`: :data:`BASELINE`, or :data:`EINSUM_BASELINE` for the
+  einsum-built variants)."""
+  base = {(r["workload"], r["batch"], r["variant"]): r for r in rows if r["error"] is None}
+  baselines = {v.name: v.baseline for v in VARIANTS}
   out = {}
   for r in rows:
-    b = base.get((r["workload"], r["batch"]))
+    b = base.get((r["workload"], r["batch"], baselines.get(r["variant"], BASELINE)))
     if b is None or r["error"] is not None:
       out[(r["workload"], r["batch"], r["variant"])] = (None, None)
       continue
@@ -951,7 +981,7 @@ def markdown_table(result: dict) -> str:
     "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
     "Speedups are jax-dense's time over the variant's (`python -m benchmarks.summary` gives each "
-    "framework's own). bwd spread: (max − min) / median of the torch backward over the steps. "
+    "framework's own; jax-dense-einsum's for the einsum-built variants). bwd spread: (max − min) / median of the torch backward over the steps. "
     f"Versions: {versions_text(result['versions'])}."
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),

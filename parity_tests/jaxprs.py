@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-__all__ = ["iter_eqns", "dot_output_shapes", "count_primitive"]
+__all__ = ["iter_eqns", "dot_output_shapes", "count_primitive", "count_sebp_rules"]
 
 
 def iter_eqns(jaxpr: Any) -> Iterator[Any]:
@@ -28,3 +28,11 @@ def dot_output_shapes(jaxpr: Any) -> list[tuple[int, ...]]:
 def count_primitive(jaxpr: Any, prefix: str) -> int:
   """How many equations run a primitive whose name starts with ``prefix``."""
   return sum(e.primitive.name.startswith(prefix) for e in iter_eqns(jaxpr))
+
+
+def count_sebp_rules(jaxpr: Any) -> int:
+  """How many SEBP backward rules (``sebp_matmul``'s ``custom_vjp``) ``jaxpr`` holds: one per
+  layer that runs SEBP, other ``custom_vjp``s (an embedding's, say) not counted."""
+  return sum(e.primitive.name.startswith("custom_vjp_call")
+             and getattr(e.params.get("bwd"), "__name__", "").startswith("_sebp_product")
+             for e in iter_eqns(jaxpr))

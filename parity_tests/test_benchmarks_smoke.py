@@ -305,3 +305,17 @@ def test_llama_torch_model_without_the_padding_mask_is_exact():
   torch.testing.assert_close(loss, masked_loss, rtol=1e-6, atol=0)
   for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(masked_loss, params)):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+def test_einsum_built_variants_divide_their_own_dense_run():
+  # The einsum-built model's SEBP speedup is over the einsum-built dense run, not jax-dense.
+  def row(variant, bwd_ms, step_ms):
+    return {"workload": "piqa", "batch": 1, "variant": variant, "error": None,
+            "bwd_ms": bwd_ms, "step_ms": step_ms}
+
+  rows = [row("jax-dense", 10.0, 20.0), row("jax-sebp-pallas", 5.0, 16.0),
+          row("jax-dense-einsum", 12.0, 24.0), row("jax-sebp-pallas-einsum", 4.0, 16.0)]
+  ratios = workloads.speedups(rows)
+  assert ratios[("piqa", 1, "jax-sebp-pallas")] == (2.0, 1.25)
+  assert ratios[("piqa", 1, "jax-sebp-pallas-einsum")] == (3.0, 1.5)
+  assert ratios[("piqa", 1, "jax-dense-einsum")] == (1.0, 1.0)

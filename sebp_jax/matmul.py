@@ -17,9 +17,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from sebp_jax import contraction
 from sebp_jax.backends import xla as xla_backend
 from sebp_jax.plan import RowPlan, check_plan_covers
 from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import RowSharding, current_row_sharding, per_shard_backward
 
 __all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
 
@@ -94,36 +96,48 @@ def _check_rows(rows, policy: RowPolicy) -> None:
                      f"needs the exact policy RowPolicy(), got {policy}.")
 
 
-def _forward(x, kernel, precision):
-  return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision)
+def _forward(x, kernel, precision, out_dtype=None):
+  """``x @ kernel``, the product rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+  return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision,
+                         preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name, x, kernel, plan):
-  return _forward(x, kernel, precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name,
+                  sharding: RowSharding | None, out_dtype, x, kernel, plan):
+  return _forward(x, kernel, precision, out_dtype)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, name, x, kernel, plan):
+def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, out_dtype, x, kernel,
+                      plan):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
-  y = _forward(x.value, kernel.value, precision)
+  y = _forward(x.value, kernel.value, precision, out_dtype)
   saved_x = x.value if kernel.perturbed else None
   saved_kernel = kernel.value if x.perturbed else None
   plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
   return y, (saved_x, saved_kernel, plan)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, name, residuals, dy):
+def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dtype, residuals,
+                      dy):
   saved_x, saved_kernel, plan = residuals
   if isinstance(dy, SymbolicZero):
     return None, None, None
-  x2d = None if saved_x is None else saved_x.reshape(-1, saved_x.shape[-1])
-  dy2d = dy.reshape(-1, dy.shape[-1])
-  if plan is not None and plan.check:
-    check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
-  dx2d, dw = _backend(impl, crossover)(x2d, saved_kernel, dy2d, policy=policy,
-                                       precision=precision, plan=plan)
-  dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
+  # The backends take one dtype: a `preferred_element_type` output's gradient is rounded to the
+  # operands' (the dense backward would multiply it in the output's); products still accumulate
+  # in float32.
+  dy = dy.astype((saved_x if saved_x is not None else saved_kernel).dtype)
+
+  def backend(x2d, kernel, dy2d):
+    if plan is not None and plan.check:
+      check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
+    return _backend(impl, crossover)(x2d, kernel, dy2d, policy=policy, precision=precision,
+                                     plan=plan)
+
+  # Each device runs the backend on its own rows (sebp_jax.sharding).
+  dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding,
+                              planned=plan is not None)
   return dx, dw, None
 
 
@@ -141,6 +155,7 @@ def sebp_matmul(
   crossover: float | None = None,
   rows: RowPlan | None = None,
   name: str | None = None,
+  preferred_element_type: Any = None,
 ) -> jax.Array:
   """``x @ kernel + bias`` with the SEBP backward.
 
@@ -168,10 +183,14 @@ def sebp_matmul(
       result is the dense backward of ``dy * plan[:, None]``. Exact policy only. Ignored (``dy``
       scored as usual) when ``x``'s leading dims are not the plan's.
     name: the layer's name in the errors of a checking plan (``row_plan(..., check=True)``).
+    preferred_element_type: the output's dtype, as in ``lax.dot_general`` (e.g. float32 from
+      bfloat16 operands: the product is not rounded to bfloat16); ``None``: the operands'
+      promoted dtype. The backward still runs in the operands' dtype, with float32
+      accumulation.
 
   Returns:
-    ``(..., N)`` output in the promoted dtype of ``x``, ``kernel`` (and ``bias``); each gradient
-    comes back in the dtype of its primal.
+    ``(..., N)`` output in ``preferred_element_type`` or else the promoted dtype of ``x``,
+    ``kernel`` (and ``bias``); each gradient comes back in the dtype of its primal.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jnp.ones((2, 5, 3)).at[:, 3:].set(0.0)   # two sequences, padded to 5 tokens
@@ -189,27 +208,45 @@ def sebp_matmul(
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
   dtype = jnp.result_type(x, kernel)
+  # `None` where the output keeps the operands' dtype: the plain product, one static argument.
+  out_dtype = (None if preferred_element_type is None
+               or jnp.dtype(preferred_element_type) == dtype else jnp.dtype(preferred_element_type))
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if impl == "dense":
-    y = _forward(x, kernel, precision)
+    y = _forward(x, kernel, precision, out_dtype)
   else:
     plan = rows if rows is not None and rows.applies_to(x) else None
-    y = _sebp_product(policy, impl, crossover, precision, name, x, kernel, plan)
+    # The sebp_jax.sharded_rows in effect now, when the forward is traced.
+    y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(),
+                      out_dtype, x, kernel, plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
-    wide = jnp.promote_types(dtype, jnp.float32)
-    y = (y.astype(wide) + bias.astype(wide)).astype(dtype)
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    y = (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
   return y
 
 
 @dataclasses.dataclass(frozen=True)
 class SEBPDotGeneral:
-  """A ``lax.dot_general`` replacement that gives ``x @ kernel`` the SEBP backward.
+  """A ``lax.dot_general`` replacement that gives every weight contraction the SEBP backward.
 
-  Flax's ``nn.Dense`` and ``nnx.Linear`` take a ``dot_general``; this is the one that makes them
-  SEBP layers. Contractions other than ``(..., K) x (K, N)`` (and calls asking for a
-  ``preferred_element_type`` or ``out_sharding``) go to ``lax.dot_general`` unchanged.
+  Flax's ``nn.Dense`` / ``nn.DenseGeneral``, ``nnx.Linear`` / ``nnx.LinearGeneral`` take a
+  ``dot_general``, and ``jnp.einsum`` a ``_dot_general``; this is the one that makes them SEBP
+  layers. ``dot_general(x, w, dims)`` with no batch dimensions, in any dimension order, runs as
+  :func:`sebp_matmul` of ``x`` viewed as ``(rows, K)`` and ``w`` as ``(K, N)``
+  (:func:`sebp_jax.contraction.matmul_view`): the rows are ``x``'s free dimensions, so ``x`` is the
+  activation and ``w`` the weight. ``preferred_element_type`` sets the result's dtype and
+  ``out_sharding`` is applied to the result (``jax.sharding.reshard``).
+
+  On purpose, contractions with batch dimensions (attention scores, batched matmuls) and
+  non-floating operands go to ``lax.dot_general`` unchanged: their rows are not a layer's
+  tokens.
+
+  >>> import jax.numpy as jnp
+  >>> x, w = jnp.ones((2, 7, 4, 8)), jnp.ones((4, 8, 16))
+  >>> jnp.einsum("BTNH,NHD->BTD", x, w, _dot_general=SEBPDotGeneral(impl="xla")).shape
+  (2, 7, 16)
   """
 
   policy: RowPolicy = RowPolicy()
@@ -226,22 +263,18 @@ class SEBPDotGeneral:
     _check_crossover(self.crossover)
     _check_rows(self.rows, self.policy)
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, **kwargs):
-    is_matmul = (
-      getattr(rhs, "ndim", 0) == 2
-      and getattr(lhs, "ndim", 0) >= 2
-      and _same_dims(dimension_numbers, _matmul_dims(lhs.ndim))
-    )
-    plain = preferred_element_type is None and all(v is None for v in kwargs.values())
-    if not (is_matmul and plain):
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               *, out_sharding=None):
+    view = contraction.matmul_view(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    floating = all(jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in (lhs, rhs))
+    if view is None or not floating:
       return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                             preferred_element_type=preferred_element_type, **kwargs)
-    return sebp_matmul(lhs, rhs, policy=self.policy, impl=self.impl, precision=precision,
-                       crossover=self.crossover, rows=self.rows, name=self.name)
-
-
-def _same_dims(dims, expected) -> bool:
-  (lc, rc), (lb, rb) = dims
-  (elc, erc), (elb, erb) = expected
-  return (tuple(lc), tuple(rc), tuple(lb), tuple(rb)) == (elc, erc, elb, erb)
+                             preferred_element_type=preferred_element_type,
+                             out_sharding=out_sharding)
+    x, w = view.operands(lhs, rhs)
+    y = view.result(sebp_matmul(x, w, policy=self.policy, impl=self.impl, precision=precision,
+                                crossover=self.crossover, rows=self.rows, name=self.name,
+                                preferred_element_type=preferred_element_type))
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y

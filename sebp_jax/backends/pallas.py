@@ -9,12 +9,18 @@ The plan (DESIGN §5, v5: compact first):
   second launch carries offsets between programs);
 * **gather kernel**: copies the kept rows of ``x`` and ``dy`` into contiguous buffers ``xc`` and
   ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). Programs past ``count`` copy
-  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask;
+  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask.
+  Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
+  ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
+  so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
 * **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile multiplies
   contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of ``dx``; a tile
   past ``count`` stores zeros there, without reading anything. Every row of ``dx`` is written
-  exactly once. With ``dx_split`` (opt-in), the first kept rows' tiles share their loop over
-  ``N`` among several programs, whose float32 partial tiles XLA sums and scatters;
+  exactly once. With few kept rows those tiles are fewer than the SMs, each streaming all of
+  ``N``; with ``dx_split`` (opt-in) the tiles of the first ``dx_split_rows`` compacted rows
+  share their ``N`` loop among ``parts`` programs of the same launch, ``parts`` chosen from
+  ``count`` at run time to fill the SMs, and a reduction kernel sums their float32 partial
+  tiles into ``dx`` in place (``input_output_aliases``);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
   count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
   programs share a tile's rows and XLA sums their float32 partial tiles;
@@ -43,8 +49,8 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "with_dw_split", "backward", "partition_pallas", "gather_pallas",
-           "dx_pallas", "dw_pallas"]
+__all__ = ["BlockConfig", "block_config", "with_dw_split", "with_dx_split", "backward",
+           "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +61,21 @@ class BlockConfig:
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
   of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
   partial tiles summed afterwards. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
-  the grouped tile order. ``dx_split > 1``: the dX tiles of the first ``dx_split_rows`` kept rows
-  are computed by ``dx_split`` programs each, sharing the loop over ``N`` (their float32 partial
-  tiles summed by XLA and scattered to the rows): with few kept rows only a few row blocks have
-  work, and each would otherwise stream its whole ``N`` alone. ``crossover``: the kept-row
-  fraction above which the dense backward runs instead.
+  the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
+  GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
+  chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
+  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
+  instead.
+
+  The dX split (off at ``dx_split == 1``; :func:`with_dx_split` sizes it for a GPU): with few
+  kept rows only ``cdiv(count, dx_m) * K / dx_k`` dX tiles have work, fewer than the SMs, and
+  each streams its whole loop over ``N`` alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48
+  programs on 132 SMs). So the tiles of the first ``dx_split_rows`` compacted rows (a multiple
+  of ``dx_m``) share their ``N`` loop among ``parts`` programs, ``parts`` chosen at run time
+  from ``count`` to make about ``dx_fill`` working programs (the SM count), at most
+  ``dx_split``; a small reduction kernel sums their float32 partial tiles. From
+  ``dx_split_rows`` kept rows on, ``parts`` is 1, and the split costs only the partial tiles'
+  round trip and that one launch.
   """
 
   dx_m: int = 64
@@ -76,23 +92,35 @@ class BlockConfig:
   dw_group: int = 8
   dw_split: int = 1
   dx_split: int = 1
-  dx_split_rows: int = 128
+  dx_split_rows: int = 0
+  dx_fill: int = 0
+  compact: bool = True
   crossover: float = 0.4
 
 
 # Measured tile choices, keyed by (GPU generation, dtype width in bytes, shape class). Tuned with
-# benchmarks/tune_blocks.py on an H100 (results/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
-# "wide": weights of at least _WIDE_WEIGHT entries (LLaMA-3B's 3072 x 8192 MLP), where 128 x 256
-# tiles in both GEMMs run 1.25x (23 % kept rows) to 1.44x (all rows) faster than the default;
-# BERT-base's 768 x 3072 layers are faster on the default's smaller tiles below ~20 % kept rows.
+# benchmarks/tune_blocks.py on an H100 (results/v5_h100/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
+# "wide": at least _WIDE_ROWS rows and a weight of at least _WIDE_WEIGHT entries (LLaMA-3B's
+# 3072 x 8192 MLP at batch 8), where 128 x 256 tiles in both GEMMs run 1.25x (23 % kept rows) to
+# 1.44x (all rows) faster than the default. With fewer rows the kept ones are few (LLaMA at batch
+# 1: ~80 of 4096), and the wide dX tiles leave most SMs idle: the model step was 11 % slower
+# with them than with the default tiles (results/v5_h100/llama_b1_v4_vs_v5.md). BERT-base's
+# 768 x 3072 layers are faster on the default tiles below ~20 % kept rows.
 _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
-  ("hopper", 4, "narrow"): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
-  ("hopper", 4, "wide"): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4),
+  # float32: one entry for both classes (not re-tuned for v5).
+  **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
+     for shape_class in ("narrow", "wide")},
 }
 _WIDE_WEIGHT = 3072 * 3072
+_WIDE_ROWS = 16384
+# Layers with at least this many output columns (a vocabulary: LLaMA-3's 128,256, BERT's 30,522)
+# are not compacted: their GEMMs read the kept rows in place. With few kept rows the copy saves
+# those GEMMs little, and it would hold a `dy`-sized buffer at the peak of the step (LLaMA-3.2-3B
+# at batch 1: +1.5 GB, +4 % of dense's peak, results/einsum_h100/llama_b1_einsum_h100.md).
+_IN_PLACE_COLUMNS = 16384
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
@@ -141,7 +169,8 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
   A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
   132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
   """
-  shape_class = "wide" if in_features * out_features >= _WIDE_WEIGHT else "narrow"
+  wide = num_rows >= _WIDE_ROWS and in_features * out_features >= _WIDE_WEIGHT
+  shape_class = "wide" if wide else "narrow"
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
                           _DEFAULT_CONFIG)
   config = dataclasses.replace(
@@ -149,9 +178,9 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
     dx_n=_fit(base.dx_n, out_features),
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
-    dw_n=_fit(base.dw_n, out_features),
+    dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
-  return with_dw_split(config, in_features, out_features)
+  return with_dx_split(with_dw_split(config, in_features, out_features), num_rows, in_features)
 
 
 def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
@@ -161,6 +190,28 @@ def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> B
     return config
   tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
   return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
+
+
+def with_dx_split(config: BlockConfig, num_rows: int, in_features: int) -> BlockConfig:
+  """``config`` with its dX split (on where ``config.dx_split > 1``) sized for this GPU.
+
+  ``dx_fill`` becomes the SM count (unless ``config`` sets it: e.g. two programs per SM), and
+  ``dx_split_rows`` the rows below which the split can give 2 or more parts
+  (:class:`BlockConfig`): ``dx_fill // (2 * col_blocks)`` row blocks, at most ``num_rows``. Off
+  GPU, or where no row count gives two parts (more column blocks than half of ``dx_fill``), the
+  split is turned off.
+  """
+  if config.dx_split <= 1:  # off (or a bad `dx_split`, which dx_pallas names)
+    return config
+  sms = _sm_count()
+  if not sms:
+    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
+  fill = config.dx_fill or sms
+  col_blocks = pl.cdiv(in_features, config.dx_k)
+  split_rows = min(fill // (2 * col_blocks) * config.dx_m, _round_up(num_rows, config.dx_m))
+  if not split_rows:
+    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
+  return dataclasses.replace(config, dx_split_rows=split_rows, dx_fill=fill)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -174,12 +225,38 @@ def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jnp.pad(array, [(0, s - d) for s, d in zip(shape, array.shape)])
 
 
-def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str):
-  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled."""
-  return pl.pallas_call(
-    body, out_shape=out_shape, grid=grid,
-    compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
-    interpret=interpret, name=name)
+def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str,
+            input_output_aliases: dict[int, int] | None = None):
+  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled.
+
+  ``input_output_aliases`` (operand index -> output index): that output is the operand's buffer,
+  updated in place where the kernel writes it.
+
+  Inside ``jax.shard_map(check_vma=True)`` every operand is the device's own and so are the
+  outputs: they vary over every manual mesh axis some operand varies over. ``pallas_call``
+  needs ``out_shape`` to say how they vary; it is declared invariant, which the Pallas
+  interpreter requires (in jax 0.10 it carries the kernel's invariant values in a loop whose
+  carry must keep its type), and the outputs are cast to varying afterwards. An aliased output
+  has its operand's type already, and is cast only over the axes that it lacks.
+  """
+
+  def call(*operands):
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in operands))
+    invariant = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                     manual_axis_type=jax.sharding.ManualAxisType()), out_shape)
+    outputs = pl.pallas_call(
+      body, out_shape=invariant, grid=grid,
+      compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
+      input_output_aliases=input_output_aliases or {}, interpret=interpret, name=name)(*operands)
+
+    def to_varying(output):
+      axes = tuple(sorted(varying - jax.typeof(output).mat.varying))
+      return lax.pcast(output, axes, to="varying") if axes else output
+
+    return jax.tree.map(to_varying, outputs)
+
+  return call
 
 
 def _grouped_tile(program, row_blocks: int, col_blocks: int, group: int):
@@ -250,20 +327,34 @@ _GATHER_COLS = 256
 _GATHER_WARPS = 4
 
 
+def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
+  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
+  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
+  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
+  if compact:
+    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
+  rows = perm_ref[pl.ds(start, block_m)]
+  valid = (start + jnp.arange(block_m) < count)[:, None]
+
+  def load(ref, cols):
+    tile = ref[rows, cols]
+    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+
+  return load
+
+
 def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...]):
   """Rows ``perm[block]`` of each source copied to the block's contiguous rows of its copy; rows
   at or past ``count`` as zeros (the one block that straddles it), nothing past that block."""
   sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
   start = pl.program_id(0) * block_m
   count = count_ref[0]
-  rows = perm_ref[pl.ds(start, block_m)]
-  valid = (start + jnp.arange(block_m) < count)[:, None]
-  live = (start < count).astype(jnp.int32)  # arithmetic: see _dx_kernel
+  load = _kept_rows(perm_ref, count, start, block_m, compact=False)
+  live = (start < count).astype(jnp.int32)  # arithmetic, not a branch: see _pick
   for source, copy, cols in zip(sources, copies, block_cols):
     def step(c, carry, source=source, copy=copy, cols=cols):
       span = pl.ds(c * cols, cols)
-      tile = source[rows, span]
-      copy[pl.ds(start, block_m), span] = jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+      copy[pl.ds(start, block_m), span] = load(source, span)
       return carry
 
     lax.fori_loop(0, live * (source.shape[1] // cols), step, jnp.int32(0))
@@ -287,7 +378,7 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
                  interpret=interpret, name="sebp_gather")(count, perm, *sources)
 
 
-def _split_share(total, split: int, part):
+def _split_share(total, split, part):
   """``(first, steps)``: program ``part``'s share, the ``part``-th of ``split`` contiguous runs,
   of a loop of ``total`` steps; the last runs may be shorter or empty."""
   per_part = pl.cdiv(total, split)
@@ -295,56 +386,133 @@ def _split_share(total, split: int, part):
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
 
 
-def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *,
+def _pick(flag, if_one, if_zero):
+  """``if_one`` where the int32 ``flag`` is 1, ``if_zero`` where it is 0. Arithmetic, not
+  ``jnp.where``: Pallas-Triton in jax 0.11 types a select of literals as i1."""
+  return flag * if_one + (1 - flag) * if_zero
+
+
+def _dx_parts(count, *, block_m: int, col_blocks: int, fill: int, split: int):
+  """Programs that share each split dX tile's loop over ``N`` for ``count`` kept rows: enough for
+  the tiles that have kept rows to make ``fill`` programs, between 1 and ``split``. The GEMM and
+  the reduction both derive it from ``count`` here, so the reduction sums exactly the partial
+  tiles that were written."""
+  active_tiles = pl.cdiv(count, block_m) * col_blocks
+  return jnp.minimum(jnp.maximum(fill // jnp.maximum(active_tiles, 1), 1), split)
+
+
+def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               first_block: int = 0, split: int = 1):
-  """One ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, ``block`` counted from
-  ``first_block``. With ``split > 1``, this program's share of the loop over ``N`` instead: a
-  float32 partial tile at ``dx[part, block]``, in ``perm`` order."""
+               split: int, split_rows: int, fill: int, compact: bool = True):
+  """One program of the dX GEMM.
+
+  Without a split region (``split_rows == 0``) every program is an *ordinary* one: the
+  ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, over all of ``N``. With one,
+  the first ``split_rows // block_m * col_blocks * split`` programs are *split* programs for the
+  row blocks below ``split_rows``, and the ordinary ones follow for the row blocks from there.
+  Of the split programs, the first ``live_tiles * parts`` (:func:`_dx_parts`) each take one
+  ``part`` of a live tile's loop over ``N`` and store a float32 partial tile to
+  ``partials[part]`` (compact row order; :func:`_dx_reduce_kernel` sums and scatters them); the
+  rest, tiles past ``count`` or parts past ``parts``, run no step and store nothing. Numbering
+  the working (tile, part) pairs densely from program 0 starts the long loops first, whatever
+  ``count`` is, and puts the programs that only exit or store zeros behind them.
+
+  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``.
+  """
   col_blocks = kernel_ref.shape[0] // block_k
-  row_blocks = dx_ref.shape[-2] // block_m - (first_block if split == 1 else 0)
-  row_block, col_block = _grouped_tile(pl.program_id(0), row_blocks, col_blocks, group)
-  start = (first_block + row_block) * block_m
-  count = count_ref[0]
-  cols = pl.ds(col_block * block_k, block_k)
   total = dyc_ref.shape[1] // block_n
-  first_step, share = (0, total) if split == 1 else _split_share(total, split, pl.program_id(1))
+  count = count_ref[0]
+  program = pl.program_id(0)
+  split_blocks = split_rows // block_m
+  split_programs = split_blocks * col_blocks * split
+  # An ordinary program's tile (garbage for a split program, which picks its own below).
+  ordinary_blocks = max(dx_ref.shape[0] // block_m - split_blocks, 1)
+  row_block, col_block = _grouped_tile(program - split_programs, ordinary_blocks, col_blocks,
+                                       group)
+  start = (split_blocks + row_block) * block_m
+  first_step, share = 0, total
+  if split_rows:
+    parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill, split=split)
+    live_blocks = jnp.minimum(pl.cdiv(count, block_m), split_blocks)
+    live_tiles = jnp.maximum(live_blocks * col_blocks, 1)
+    part, tile = program // live_tiles, program % live_tiles
+    split_row, split_col = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
+    split_first, split_share = _split_share(total, parts, part)
+    works = program < live_blocks * col_blocks * parts  # only split programs can work
+    is_split = (program < split_programs).astype(jnp.int32)
+    start = _pick(is_split, split_row * block_m, start)
+    col_block = _pick(is_split, split_col, col_block)
+    first_step = _pick(is_split, split_first, 0)
+    share = _pick(is_split, works.astype(jnp.int32) * split_share, share)
+  cols = pl.ds(col_block * block_k, block_k)
+  load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
   def step(n, acc):
     span = pl.ds((first_step + n) * block_n, block_n)
-    return acc + lax.dot_general(dyc_ref[pl.ds(start, block_m), span], kernel_ref[cols, span],
+    return acc + lax.dot_general(load_dy(dyc_ref, span), kernel_ref[cols, span],
                                  DX_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
-  # A block past `count` runs no step and stores zeros. A trip count, not a branch, so the loop
-  # stays a plain pipelined loop, and loaded tiles go to the dot untouched (rows of the last
-  # block past `count` are zero in `dyc`).
-  # (Arithmetic, not jnp.where: Pallas-Triton in jax 0.11 types a select of literals as i1.)
+  # A block past `count` runs no step (and an ordinary one stores zeros). A trip count, not a
+  # branch, so the loop stays a plain pipelined loop, and compacted tiles go to the dot untouched
+  # (rows of the last block past `count` are zero in `dyc`).
   steps = (start < count).astype(jnp.int32) * share
   acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
-  if split == 1:
+
+  def store_rows():
     dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
-  else:
-    dx_ref[pl.program_id(1), pl.ds(start, block_m), cols] = acc
+
+  if not split_rows:
+    store_rows()
+    return
+  # Only the stores branch, after the loop. A working split program stores its partial tile even
+  # when its share of N is empty (zeros): the reduction reads every part below `parts`.
+  pl.when(is_split == 0)(store_rows)
+
+  @pl.when(works)
+  def _():
+    partials_ref[0][part, pl.ds(start, block_m), cols] = acc
 
 
-def _dw_kernel(count_ref, xc_ref, dyc_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, group: int, split: int, precision):
-  """One ``(block_k, block_n)`` tile of ``dw``, summed over the compacted kept rows only (over
-  this program's share of them when ``split > 1``: a partial tile at ``dw[part]``)."""
+def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
+                      block_k: int, fill: int):
+  """One ``(block_m, block_k)`` tile of the split region: the sum of its ``parts`` partial tiles
+  stored to rows ``perm[block]`` of ``dx`` (aliased to the GEMM's ``dx``, whose other rows it
+  keeps); zeros for a block past ``count``, whose partial tiles were never written or read."""
+  col_blocks = dx_ref.shape[1] // block_k
+  row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
+  start = row_block * block_m
+  count = count_ref[0]
+  rows, cols = pl.ds(start, block_m), pl.ds(col_block * block_k, block_k)
+  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill,
+                    split=partials_ref.shape[0])
+  steps = (start < count).astype(jnp.int32) * parts
+  acc = lax.fori_loop(0, steps, lambda part, acc: acc + partials_ref[part, rows, cols],
+                      jnp.zeros((block_m, block_k), jnp.float32))
+  dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
+
+
+def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
+               block_m: int, block_k: int, block_n: int, group: int, split: int, precision,
+               compact: bool = True):
+  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[part]``). ``xc``, ``dyc``:
+  the compacted ``x`` and ``dy``, or the originals when not ``compact``."""
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
   k_block, n_block = _grouped_tile(pl.program_id(0), k_blocks, n_blocks, group)
   k_span = pl.ds(k_block * block_k, block_k)
   n_span = pl.ds(n_block * block_n, block_n)
 
+  count = count_ref[0]
+
   def step(t, acc):
-    rows = pl.ds(t * block_m, block_m)
-    return acc + lax.dot_general(xc_ref[rows, k_span], dyc_ref[rows, n_span], DW_DIMS,
+    load = _kept_rows(perm_ref, count, t * block_m, block_m, compact=compact)
+    return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
                                  precision=precision, preferred_element_type=jnp.float32)
 
   # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  first, steps = _split_share(pl.cdiv(count_ref[0], block_m), split, pl.program_id(1))
+  first, steps = _split_share(pl.cdiv(count, block_m), split, pl.program_id(1))
   acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
                       jnp.zeros((block_k, block_n), jnp.float32))
   if split == 1:
@@ -353,62 +521,76 @@ def _dw_kernel(count_ref, xc_ref, dyc_ref, dw_ref, *,
     dw_ref[pl.program_id(1), k_span, n_span] = acc
 
 
-def _dx_split_rows(num_rows: int, config: BlockConfig) -> int:
-  """Leading ``perm`` positions whose dX tiles split their ``N`` loop (0: none)."""
-  if config.dx_split <= 1:
-    return 0
-  return min(config.dx_split_rows, num_rows) // config.dx_m * config.dx_m
+def _dx_split(num_rows: int, out_steps: int, config: BlockConfig) -> tuple[int, int]:
+  """``(split, split_rows)`` of :func:`dx_pallas` for ``num_rows`` compacted rows and an ``N``
+  loop of ``out_steps`` steps: ``(1, 0)`` when off."""
+  if config.dx_split < 1:
+    raise ValueError(f"`dx_split` must be >= 1, got {config.dx_split}")
+  split = min(config.dx_split, out_steps)  # more parts than steps would only add empty ones
+  if split <= 1:
+    return 1, 0
+  if config.dx_fill < 1 or config.dx_split_rows < config.dx_m or \
+      config.dx_split_rows % config.dx_m:
+    raise ValueError(
+      f"`dx_split={config.dx_split}` needs `dx_fill >= 1` (got {config.dx_fill}) and "
+      f"`dx_split_rows` a positive multiple of `dx_m={config.dx_m}` (got "
+      f"{config.dx_split_rows}); `with_dx_split` sets both for this GPU")
+  return split, min(config.dx_split_rows, num_rows)
+
+
+_DX_REDUCE_WARPS = 4
 
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
+  One GEMM launch (``sebp_dx``); with ``config.dx_split > 1`` also a reduction launch
+  (``sebp_dx_reduce``) that sums the split tiles' float32 partials into ``dx`` in place.
+
   Args:
-    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), ``M % dx_m == 0``
-      and ``N % dx_n == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
+      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
     kernel: ``(K, N)`` with ``K % dx_k == 0``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
-  num_rows, _ = dyc.shape
+  num_rows, out_features = dyc.shape
   in_features = kernel.shape[0]
-  tile = dict(block_m=config.dx_m, block_k=config.dx_k, block_n=config.dx_n,
-              group=config.dx_group, precision=precision)
-  launch = functools.partial(_launch, warps=config.dx_warps, stages=config.dx_stages,
-                             interpret=interpret)
   col_blocks = in_features // config.dx_k
-  split_rows = _dx_split_rows(num_rows, config)
-  out_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
-  if split_rows == num_rows:  # every row's tile is split: the scatter below writes them all
-    dx = jnp.zeros(out_shape.shape, out_shape.dtype)
-  else:
-    body = functools.partial(_dx_kernel, **tile, first_block=split_rows // config.dx_m)
-    dx = launch(body, out_shape, grid=((num_rows - split_rows) // config.dx_m * col_blocks,),
-                name="sebp_dx")(count, perm, dyc, kernel)
+  split, split_rows = _dx_split(num_rows, out_features // config.dx_n, config)
+  launch = functools.partial(_launch, interpret=interpret)
+  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                           block_n=config.dx_n, group=config.dx_group, precision=precision,
+                           split=split, split_rows=split_rows, fill=config.dx_fill,
+                           compact=config.compact)
+  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  split_tiles = split_rows // config.dx_m * col_blocks
+  grid = (split_tiles * split + (num_rows - split_rows) // config.dx_m * col_blocks,)
+  gemm = functools.partial(launch, body, grid=grid, warps=config.dx_warps,
+                           stages=config.dx_stages, name="sebp_dx")
   if not split_rows:
-    return dx
-  partials = launch(
-    functools.partial(_dx_kernel, **tile, split=config.dx_split),
-    jax.ShapeDtypeStruct((config.dx_split, split_rows, in_features), jnp.float32),
-    grid=(split_rows // config.dx_m * col_blocks, config.dx_split),
-    name="sebp_dx_split")(count, perm, dyc, kernel)
-  # The rows at perm[:split_rows] are exactly those the kernel above left unwritten.
-  return dx.at[perm[:split_rows]].set(partials.sum(axis=0).astype(dx.dtype),
-                                      unique_indices=True)
+    return gemm(dx_shape)(count, perm, dyc, kernel)
+  partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
+  dx, partials = gemm((dx_shape, partials_shape))(count, perm, dyc, kernel)
+  reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                             fill=config.dx_fill)
+  # `dx` in place: its rows past the split region are the GEMM's, written once.
+  return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
+                name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
 
 
-def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
+def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
-  """``dw = xᵀ @ (dy * keep)`` over the compacted kept rows only.
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only.
 
   Args:
-    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), ``M % dw_m == 0`` and
-      ``K % dw_k == 0``.
-    dyc: ``(M, N)``, the kept rows of ``dy`` first, ``N % dw_n == 0``.
-    count: ``(1,)`` int32.
+    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), or ``x`` itself when
+      ``config.compact`` is off; ``M % dw_m == 0`` and ``K % dw_k == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first, or ``dy``; ``N % dw_n == 0``.
+    perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
   Returns:
     ``(K, N)`` in ``xc.dtype``.
@@ -417,13 +599,13 @@ def dw_pallas(xc, dyc, count, *, config: BlockConfig, precision=None,
   split = config.dw_split
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
                            block_n=config.dw_n, group=config.dw_group, split=split,
-                           precision=precision)
+                           precision=precision, compact=config.compact)
   out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
     (split, in_features, out_features), jnp.float32)
   tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
   dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(tiles, split),
                warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
-               name="sebp_dw")(count, xc, dyc)
+               name="sebp_dw")(count, perm, xc, dyc)
   return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
 
 
@@ -436,8 +618,10 @@ def _row_block(config: BlockConfig) -> int:
   return max(config.dx_m, config.dw_m)
 
 
-def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret):
-  """Compact the kept rows, then both products; operands padded to whole tiles where needed."""
+def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
+                    interpret: bool = False):
+  """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
+  partition ``(perm, count)``; operands padded to whole tiles where needed."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -446,15 +630,18 @@ def _sparse_backward(x, kernel, dy, perm, count, *, config, precision, interpret
   sources = [_pad_to(dy, (m_pad, n_pad))]
   if x is not None:
     sources.append(_pad_to(x, (m_pad, k_pad)))
-  dyc, *xc = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                           interpret=interpret)
+  if config.compact:
+    sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                            interpret=interpret)
+  dyc, *xc = sources
   dx = dw = None
   if kernel is not None:
     dx = dx_pallas(dyc, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
                    precision=precision, interpret=interpret)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
   if x is not None:
-    dw = dw_pallas(xc[0], dyc, count, config=config, precision=precision, interpret=interpret)
+    dw = dw_pallas(xc[0], dyc, perm, count, config=config, precision=precision,
+                   interpret=interpret)
     dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
   return dx, dw
 
@@ -493,7 +680,7 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
   else:
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
-  sparse = functools.partial(_sparse_backward, config=config, precision=precision,
+  sparse = functools.partial(sparse_backward, config=config, precision=precision,
                              interpret=interpret)
   dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision,
                             planned=plan is not None)

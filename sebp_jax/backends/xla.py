@@ -115,6 +115,9 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan 
     lambda cap=cap: _compact_backward(cap, x, kernel, dy, perm, count, precision=precision)
     for cap in caps
   ]
-  # The smallest capacity that holds `count`; the dense branch past the largest.
-  branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), count, side="left")
+  # The smallest capacity that holds `count`; the dense branch past the largest. Compared with
+  # all of them at once: the default binary search is a while loop, which XLA:GPU steers from
+  # the host, one round trip per iteration.
+  branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), count, side="left",
+                            method="compare_all")
   return lax.switch(branch, [*branches, dense])

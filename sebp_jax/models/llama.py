@@ -8,7 +8,10 @@ Hugging Face's ``transformers.LlamaForCausalLM`` name for name::
 
 Every linear layer is a plain ``nn.Dense``, so :func:`sebp_jax.swap_dense` reaches them. With
 tied embeddings the output projection is the embedding matrix itself
-(``model/embed_tokens``, through ``nn.Embed.attend``), not a Dense.
+(``model/embed_tokens``, through ``nn.Embed.attend``), not a Dense. ``projections="einsum"`` builds
+the same model from Gemma-style ``nn.Einsum`` layers instead: per-head kernels
+``(hidden, heads, head_dim)`` for ``q/k/v_proj`` and ``(heads, head_dim, hidden)`` for ``o_proj``
+(the Dense kernels reshaped, same values), ``...D,DF->...F`` for the MLP.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
 from sebp_jax.models.inputs import token_inputs
 
-__all__ = ["RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
+__all__ = ["PROJECTIONS", "RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
            "rope_inverse_frequencies", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # HF's label for positions without loss
+PROJECTIONS = ("dense", "einsum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,8 @@ class LlamaConfig:
   """LLaMA hyper-parameters, named as in HF ``config.json`` (defaults are HF's).
 
   ``attention_impl`` is this project's own: ``"auto"``, ``"xla"`` or ``"cudnn"`` (see
-  :mod:`sebp_jax.models.attention`).
+  :mod:`sebp_jax.models.attention`); so is ``projections``: ``"dense"`` (``nn.Dense`` layers, HF's
+  layout) or ``"einsum"`` (Gemma-style ``nn.Einsum`` layers, per-head attention kernels).
   """
 
   vocab_size: int
@@ -87,6 +92,7 @@ class LlamaConfig:
   mlp_bias: bool = False
   attention_dropout: float = 0.0
   attention_impl: str = "auto"
+  projections: str = "dense"
 
   def __post_init__(self):
     if self.num_key_value_heads is None:
@@ -105,6 +111,9 @@ class LlamaConfig:
       raise ValueError(f"`head_dim` must be even for rotary embeddings, got {self.head_dim}.")
     if self.hidden_act != "silu":
       raise ValueError(f"`hidden_act` must be 'silu' (SwiGLU), got {self.hidden_act!r}.")
+    if self.projections not in PROJECTIONS:
+      raise ValueError(
+        f"`projections` must be one of {PROJECTIONS}, got {self.projections!r}.")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
         f"`attention_impl` must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}.")
@@ -189,6 +198,27 @@ class _LlamaModule(nn.Module):
       features, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
       kernel_init=nn.initializers.normal(self.config.initializer_range))
 
+  def einsum(self, equation: str, shape: tuple[int, ...], name: str | None,
+             use_bias: bool = False) -> nn.Einsum:
+    return nn.Einsum(
+      shape, equation, use_bias=use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+      name=name, kernel_init=nn.initializers.normal(self.config.initializer_range))
+
+  def projection(self, heads: int, name: str, use_bias: bool):
+    """``x (..., hidden) -> (..., heads, head_dim)``: a Dense and a reshape, or an einsum."""
+    cfg = self.config
+    if cfg.projections == "einsum":
+      return self.einsum("...D,DNH->...NH", (cfg.hidden_size, heads, cfg.head_dim), name,
+                         use_bias)
+    dense = self.dense(heads * cfg.head_dim, name, use_bias)
+    return lambda x: dense(x).reshape(*x.shape[:-1], heads, cfg.head_dim)
+
+  def linear(self, features: int, in_features: int, name: str | None, use_bias: bool = False):
+    """``x (..., in_features) -> (..., features)``: a Dense or its einsum."""
+    if self.config.projections == "einsum":
+      return self.einsum("...D,DF->...F", (in_features, features), name, use_bias)
+    return self.dense(features, name, use_bias)
+
   def rms_norm(self, name: str | None = None) -> LlamaRMSNorm:
     return LlamaRMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
 
@@ -200,12 +230,9 @@ class LlamaAttention(_LlamaModule):
     cfg = self.config
     lead = x.shape[:-1]
     bias = cfg.attention_bias
-    q = self.dense(cfg.num_attention_heads * cfg.head_dim, "q_proj", bias)(x)
-    k = self.dense(cfg.num_key_value_heads * cfg.head_dim, "k_proj", bias)(x)
-    v = self.dense(cfg.num_key_value_heads * cfg.head_dim, "v_proj", bias)(x)
-    q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    q = self.projection(cfg.num_attention_heads, "q_proj", bias)(x)
+    k = self.projection(cfg.num_key_value_heads, "k_proj", bias)(x)
+    v = self.projection(cfg.num_key_value_heads, "v_proj", bias)(x)
     # cos/sin: (B, T, head_dim) -> broadcast over heads.
     cos, sin = cos[:, :, None, :].astype(q.dtype), sin[:, :, None, :].astype(q.dtype)
     q = q * cos + _rotate_half(q) * sin
@@ -215,6 +242,9 @@ class LlamaAttention(_LlamaModule):
     out = attend(
       q, k, v, attention_mask, causal=True, impl=cfg.attention_impl, right_padded=right_padded,
       dropout_rate=rate, deterministic=deterministic, dropout_rng=rng)
+    if cfg.projections == "einsum":
+      shape = (cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size)
+      return self.einsum("...NH,NHD->...D", shape, "o_proj", bias)(out)
     return self.dense(cfg.hidden_size, "o_proj", bias)(out.reshape(*lead, -1))
 
 
@@ -224,9 +254,10 @@ class LlamaMLP(_LlamaModule):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    gate = self.dense(cfg.intermediate_size, "gate_proj", cfg.mlp_bias)(x)
-    up = self.dense(cfg.intermediate_size, "up_proj", cfg.mlp_bias)(x)
-    return self.dense(cfg.hidden_size, "down_proj", cfg.mlp_bias)(nn.silu(gate) * up)
+    hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    gate = self.linear(inner, hidden, "gate_proj", bias)(x)
+    up = self.linear(inner, hidden, "up_proj", bias)(x)
+    return self.linear(hidden, inner, "down_proj", bias)(nn.silu(gate) * up)
 
 
 class LlamaDecoderLayer(_LlamaModule):
@@ -278,7 +309,7 @@ class LlamaForCausalLM(_LlamaModule):
   def setup(self):
     self.model = LlamaModel(self.config, self.dtype, self.param_dtype)
     if not self.config.tie_word_embeddings:
-      self.lm_head = self.dense(self.config.vocab_size)
+      self.lm_head = self.linear(self.config.vocab_size, self.config.hidden_size, None)
 
   def __call__(
     self,

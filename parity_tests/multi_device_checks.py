@@ -1,0 +1,236 @@
+"""The multi-device checks of ``test_multi_device.py``, run in a process of their own.
+
+``python -m parity_tests.multi_device_checks [--host-devices N] IMPL CASE...`` prints one JSON
+line per case: the gradient error against single-device dense autodiff (over the float32
+tolerance) and the collectives of the compiled SEBP and dense programs. ``--host-devices 4``
+runs on 4 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``, which must be set
+before JAX initialises: hence a process of its own, the rest of the suite keeping one device);
+without it, on the devices there are (``pallas`` on a machine with 2 GPUs or more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+if sys.argv[1:2] == ["--host-devices"]:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={sys.argv[2]}")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  del sys.argv[1:3]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard  # noqa: E402
+
+from parity_tests.tolerances import tolerance  # noqa: E402
+from sebp_jax import sebp_matmul, sharded_rows  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# (batch, tokens, in, hidden): two layers, K != N, half of each sequence padding.
+B, T, K, H = 8, 6, 16, 24
+REAL = 3
+
+
+def collectives(compiled_text: str, impl: str) -> dict[str, int]:
+  """How many of each collective the compiled HLO runs (async ``-start`` halves counted once),
+  and for ``xla`` its while loops: XLA partitions a row-sharded ``cumsum`` into serial loops
+  (the Pallas interpreter runs its kernels as loops, so not for ``interpret``)."""
+  kinds = COLLECTIVES + (("while",) if impl == "xla" else ())
+  return {kind: len(re.findall(rf" {kind}(?:-start)?\(", compiled_text)) for kind in kinds}
+
+
+def _inputs():
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (B, T, K)).at[:, REAL:].set(0.0)
+  params = (jax.random.normal(keys[1], (K, H)) / K ** 0.5,
+            jax.random.normal(keys[2], (H, K)) / H ** 0.5)
+  return params, x
+
+
+def _loss(matmul, gather=lambda w: w):
+  """Sum of squares of a 2-layer MLP on the real tokens only (padding rows get zero dY)."""
+  real = (jnp.arange(T) < REAL)[None, :, None]
+
+  def loss(params, x):
+    w1, w2 = (gather(w) for w in params)
+    h = jnp.tanh(matmul(x, w1))
+    return jnp.sum(jnp.where(real, matmul(h, w2), 0.0) ** 2)
+
+  return loss
+
+
+def _error_over_tolerance(grads, reference) -> float:
+  """The largest ``|error| / (atol + rtol |reference|)`` over the gradient trees: <= 1 is
+  within the float32 tolerance."""
+  tol = tolerance(jnp.float32)
+  return max(float(np.max(np.abs(np.asarray(g) - np.asarray(r))
+                          / (tol.atol + tol.rtol * np.abs(np.asarray(r)))))
+             for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+
+
+def _check(name, impl, sebp_loss, dense_loss, params, x, reference, **jit_kwargs):
+  results = {}
+  for variant, loss in (("sebp", sebp_loss), ("dense", dense_loss)):
+    step = jax.jit(jax.grad(loss), **jit_kwargs)
+    results[variant] = collectives(step.lower(params, x).compile().as_text(), impl)
+    if variant == "sebp":
+      grads = step(params, x)
+  print(json.dumps({"case": name, "impl": impl,
+                    "error_over_tolerance": _error_over_tolerance(grads, reference), **results}),
+        flush=True)
+
+
+def main(impl: str, cases: list[str]) -> None:
+  params, x = _inputs()
+  dense_mm = lambda a, w: a @ w  # noqa: E731
+  sebp_mm = lambda a, w: sebp_matmul(a, w, impl=impl)  # noqa: E731
+  reference = jax.grad(_loss(dense_mm))(params, x)  # one device, dense autodiff
+
+  n = jax.device_count()
+  print(json.dumps({"case": "devices", "count": n}), flush=True)
+  if n < 2:
+    return
+  two_d = (2, n // 2) if n >= 4 else (1, n)  # (data, fsdp)
+  auto = dict(
+    data_parallel=((n,), ("data",), P("data"), P(), "data"),
+    fsdp=((n,), ("fsdp",), P("fsdp"), P("fsdp"), "fsdp"),
+    data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
+  )
+  for case in cases:
+    if case in auto:
+      shape, names, x_spec, w_spec, axes = auto[case]
+      mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+      w_sharding = NamedSharding(mesh, w_spec)
+
+      def sebp_loss(params, x, axes=axes):
+        with sharded_rows(axes):
+          return _loss(sebp_mm)(params, x)
+
+      with jax.set_mesh(mesh):
+        _check(case, impl, sebp_loss, _loss(dense_mm), params, x, reference,
+               in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
+               out_shardings=(w_sharding,) * 2)
+    elif case == "explicit":
+      # Batch over both axes, weights stored FSDP-sharded and gathered before use.
+      mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+      with jax.set_mesh(mesh):
+        xs = reshard(x, P(("data", "fsdp")))
+        ws = tuple(reshard(w, P("fsdp")) for w in params)
+        gather = lambda w: reshard(w, P())  # noqa: E731
+        _check(case, impl, _loss(sebp_mm, gather), _loss(dense_mm, gather), ws, xs, reference)
+    elif case in ("shard_map", "shard_map_unchecked"):
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+      check_vma = case == "shard_map"
+
+      def per_device(matmul):
+        def loss(params, x):
+          value = _loss(matmul)(params, x)
+          # Unchecked, the replicated weights' gradients are not summed by autodiff: the loss
+          # is, and each device's gradient is then its own rows' share, summed outside.
+          return jax.lax.psum(value, "data") if check_vma else value[None]
+        return jax.shard_map(loss, mesh=mesh, in_specs=(P(), P("data")),
+                             out_specs=P() if check_vma else P("data"), check_vma=check_vma)
+
+      def summed(matmul):
+        if check_vma:
+          return per_device(matmul)
+        return lambda params, x: jnp.sum(per_device(matmul)(params, x))
+
+      with jax.set_mesh(mesh):
+        _check(case, impl, summed(sebp_mm), summed(dense_mm), params, reshard(x, P("data")),
+               reference)
+    elif case == "pallas_traces_in_shard_map":
+      # The GPU kernels inside shard_map(check_vma=True): traced only (CPU cannot lower them).
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+      pallas_mm = lambda a, w: sebp_matmul(a, w, impl="pallas")  # noqa: E731
+      loss = jax.shard_map(lambda p, x: jax.lax.psum(_loss(pallas_mm)(p, x), "data"), mesh=mesh,
+                           in_specs=(P(), P("data")), out_specs=P(), check_vma=True)
+      with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params, reshard(x, P("data")))
+      print(json.dumps({"case": case, "pallas_calls": str(jaxpr).count("pallas_call")}))
+    elif case.startswith("value_and_grad_"):
+      _value_and_grad(case, impl, auto[case.removeprefix("value_and_grad_")], params, x)
+    elif case == "finetune":
+      _finetune_losses()
+    elif case == "errors":
+      messages = {}
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+      with jax.set_mesh(mesh):  # an automatic mesh, no sharded_rows: the rows cannot be seen
+        try:
+          jax.jit(jax.grad(_loss(sebp_mm)))(params, x)
+        except ValueError as e:
+          messages["auto_without_rows"] = str(e)
+      mesh = jax.make_mesh((n,), ("model",), axis_types=(AxisType.Explicit,))
+      with jax.set_mesh(mesh):  # output features split over "model": tensor parallel
+        w = reshard(params[0], P(None, "model"))
+        try:
+          jax.grad(lambda w: jnp.sum(sebp_matmul(x, w, impl=impl) ** 2))(w)
+        except ValueError as e:
+          messages["tensor_parallel"] = str(e)
+      print(json.dumps({"case": case, "impl": impl, "messages": messages}))
+    else:
+      raise SystemExit(f"unknown case {case!r}")
+
+
+def _value_and_grad(case, impl, layout, params, x) -> None:
+  """:func:`sebp_jax.sebp_value_and_grad` of a flax MLP (its sparse branch taken) under a
+  sharded jit, against single-device dense autodiff."""
+  import flax.linen as nn
+
+  from sebp_jax import sebp_value_and_grad
+
+  shape, names, x_spec, w_spec, axes = layout
+  model = nn.Sequential([nn.Dense(H), nn.tanh, nn.Dense(K)])
+  variables = model.init(jax.random.key(1), x)
+  real = (jnp.arange(T) < REAL)[None, :, None]
+  loss = lambda v, x: jnp.sum(jnp.where(real, model.apply(v, x), 0.0) ** 2)  # noqa: E731
+  fraction = lambda v, x: jnp.float32(REAL / T)  # noqa: E731
+  _, reference = jax.value_and_grad(loss)(variables, x)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+  def sebp(v, x):
+    with sharded_rows(axes):
+      return sebp_value_and_grad(loss, fraction, crossover=0.9, impl=impl)(v, x)
+
+  place = lambda v: jax.tree.map(  # noqa: E731
+    lambda leaf: NamedSharding(mesh, w_spec if leaf.ndim == 2 else P()), v)
+  with jax.set_mesh(mesh):
+    _, grads = jax.jit(sebp, in_shardings=(place(variables), NamedSharding(mesh, x_spec)))(
+      variables, x)
+  print(json.dumps({"case": case, "impl": impl,
+                    "error_over_tolerance": _error_over_tolerance(grads, reference)}), flush=True)
+
+
+def _finetune_losses() -> None:
+  """``sebp finetune``'s SEBP training losses (tiny BERT) on 1 device and on 4, data parallel and
+  FSDP, and the mesh each report names."""
+  import tempfile
+
+  from parity_tests import test_cli
+  from sebp_jax import finetune
+
+  finetune.MODELS["tiny-bert"] = test_cli.TINY_BERT
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, devices, fsdp in (("one", 1, False), ("data_parallel", 4, False),
+                                ("fsdp", 4, True)):
+      config = test_cli._tiny_config(devices=devices, fsdp=fsdp, compare=False,
+                                     analysis_batches=0, timing_batches=1)
+      summary = finetune.finetune(config, f"{tmp}/{name}", log=lambda _: None)
+      report = open(summary["report"]).read()
+      losses = [json.loads(line)["loss"] for line in open(f"{tmp}/{name}/metrics.jsonl")
+                if '"loss"' in line]
+      runs[name] = {"losses": losses, "mesh": summary["mesh"],
+                    "report_names_mesh": summary["mesh"] in report
+                    and summary["mesh"] in summary["summary_text"]}
+  print(json.dumps({"case": "finetune", "runs": runs}), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2:])

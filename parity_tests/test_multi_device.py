@@ -1,0 +1,119 @@
+"""SEBP on 4 devices against single-device dense autodiff, and its compiled collectives against the
+dense program's: data parallel, FSDP and 2-D meshes under automatic sharding (with
+:func:`sebp_jax.sharded_rows`), an explicit-sharding mesh, and ``jax.shard_map``.
+
+The checks run in one subprocess per backend with 4 forced host devices
+(:mod:`parity_tests.multi_device_checks`), so the rest of the suite keeps its single device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked")
+# The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
+# shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
+# under check_vma=True is checked by `pallas_traces_in_shard_map`.
+CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors", "finetune", "value_and_grad_data_parallel",
+                                  "value_and_grad_fsdp"),
+                 "interpret": CASES + ("pallas_traces_in_shard_map",),
+                 "pallas": CASES + ("shard_map",)}
+
+
+@functools.cache
+def _results(impl: str) -> dict[str, dict]:
+  """The checks' JSON lines by case: on 4 CPU devices, or (``pallas``) on this machine's GPUs."""
+  env = dict(os.environ,
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+  devices = [] if impl == "pallas" else ["--host-devices", "4"]
+  done = subprocess.run([sys.executable, "-m", "parity_tests.multi_device_checks", *devices,
+                         impl, *CASES_BY_IMPL[impl]], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+  return {line["case"]: line for line in lines}
+
+
+def _check_gradients_and_collectives(result: dict) -> None:
+  assert result["error_over_tolerance"] <= 1.0, result
+  # SEBP adds no collective: the same all-reduces (or reduce-scatters) of dW as dense.
+  assert result["sebp"] == result["dense"], result
+  assert sum(result["dense"].values()) > 0, "the dense program has no collective at all"
+
+
+@pytest.mark.parametrize("impl,case", [(impl, case) for impl in ("xla", "interpret")
+                                       for case in CASES_BY_IMPL[impl]
+                                       if case in CASES + ("shard_map",)])
+def test_gradients_and_collectives_match_dense(impl, case):
+  _check_gradients_and_collectives(_results(impl)[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES_BY_IMPL["pallas"])
+def test_pallas_gradients_and_collectives_match_dense_on_gpus(case):
+  results = _results("pallas")
+  if results["devices"]["count"] < 2:
+    pytest.skip("needs 2 GPUs or more")
+  _check_gradients_and_collectives(results[case])
+
+
+def test_pallas_kernels_trace_inside_checked_shard_map():
+  # Tracing raised "manual_axis_type on jax.ShapeDtypeStruct must not be None" before; how many
+  # kernels a layer launches depends on the kernel version.
+  assert _results("interpret")["pallas_traces_in_shard_map"]["pallas_calls"] > 0
+
+
+def test_unfollowable_sharding_is_an_error_naming_the_fix():
+  messages = _results("xla")["errors"]["messages"]
+  assert "sharded_rows" in messages["auto_without_rows"]
+  assert "'model'" in messages["tensor_parallel"]
+  assert "where=" in messages["tensor_parallel"]
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+def test_sebp_value_and_grad_under_sharding(layout):
+  # A flax MLP through sebp_value_and_grad (its sparse branch) inside sharded_rows.
+  result = _results("xla")[f"value_and_grad_{layout}"]
+  assert result["error_over_tolerance"] <= 1.0, result
+
+
+def test_finetune_trains_the_same_on_four_devices():
+  runs = _results("xla")["finetune"]["runs"]
+  one = runs["one"]["losses"]
+  for name in ("data_parallel", "fsdp"):
+    # The same batches, split over 4 devices: the same losses up to float32 summation order.
+    assert len(runs[name]["losses"]) == len(one) == 3
+    for a, b in zip(runs[name]["losses"], one):
+      assert abs(a - b) <= 1e-5 * abs(b), (name, runs[name]["losses"], one)
+    assert runs[name]["report_names_mesh"], runs[name]
+  assert runs["fsdp"]["mesh"].startswith("mesh data=4, FSDP")
+
+
+def test_benchmark_summary_from_rows(tmp_path):
+  from benchmarks import multi_device
+
+  def row(devices, variant, bwd_ms, step_ms):
+    return dict(model="bert", parallelism="data parallel", devices=devices, per_device_batch=4,
+                workload="trec", active_fraction=0.2, variant=variant, fwd_ms=1.0, bwd_ms=bwd_ms,
+                step_ms=step_ms, sequences_per_s=4 * devices / step_ms * 1e3, compile_s=1.0,
+                error=None)
+
+  rows = [row(1, "dense", 4.0, 10.0), row(1, "sebp", 2.0, 8.0),
+          row(2, "dense", 4.4, 11.0), row(2, "sebp", 2.4, 9.0)]
+  result = {"gpu": "test card", "warmup": 1, "steps": 3, "note": "", "rows": rows,
+            "versions": {"jax": "0"}}
+  paths = multi_device.write(tmp_path, "md", result)
+  (summary,) = result["summary"]
+  assert summary["bwd_speedup_1"] == 2.0 and abs(summary["bwd_speedup_n"] - 4.4 / 2.4) < 1e-12
+  assert abs(summary["speedup_kept"] - (4.4 / 2.4) / 2.0) < 1e-12
+  assert abs(summary["sebp_scaling"] - 2 * 8.0 / 9.0) < 1e-12
+  assert [p.suffix for p in paths] == [".json", ".md", ".png"]
+  assert "test card" in paths[1].read_text()
