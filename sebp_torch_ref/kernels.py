@@ -42,6 +42,7 @@ before Triton is first imported.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -52,13 +53,19 @@ import triton.language as tl
 from .policy import RowPolicy, keep_mask
 
 __all__ = [
-    "check_device", "default_config", "interpreter_enabled", "sebp_gemms", "sebp_grads", "select_rows",
+    "check_device", "default_config", "interpreter_enabled", "permutation_of", "sebp_gemms", "sebp_grads",
+    "select_rows",
 ]
 
 
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton picks the interpreter when it decorates a kernel, i.e. when this module is imported: the
+# launches follow that choice, not the variable's value at call time (and read no environment).
+_INTERPRET = interpreter_enabled()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -350,18 +357,13 @@ def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False
     return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _dw_split(tiles: int, row_blocks: int, device: torch.device, interpret: bool) -> int:
+def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
     """Row slices of dW: about two programs per SM over the output tiles, at most one per block."""
-    sms = _INTERPRETER_SMS if interpret else _multiprocessors(device)
+    sms = _INTERPRETER_SMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(_MAX_SPLIT, round(2 * sms / tiles), row_blocks))
 
 
-def _dot_options(dtype: torch.dtype, interpret: bool) -> dict:
+def _dot_options(dtype: torch.dtype) -> dict:
     """``tl.dot`` options: IEEE float32 products, and float32 operands under the interpreter.
 
     Triton's interpreter computes ``tl.dot`` on bfloat16 operands wrongly (seen with Triton 3.9),
@@ -369,64 +371,140 @@ def _dot_options(dtype: torch.dtype, interpret: bool) -> dict:
     the result is the same up to summation order, and every gather, mask and store is still the
     kernel's own.
     """
-    upcast = interpret and dtype != torch.float32
+    upcast = _INTERPRET and dtype != torch.float32
     return dict(INPUT_PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32", UPCAST=upcast)
 
 
-def check_device(*tensors: torch.Tensor) -> bool:
-    """Whether the interpreter runs a launch on ``tensors``; raises if neither CUDA nor it can."""
-    interpret = interpreter_enabled()
-    if not interpret and any(t.device.type != "cuda" for t in tensors):
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raises unless CUDA or the interpreter can run a launch on ``tensors``."""
+    if not _INTERPRET and any(t.device.type != "cuda" for t in tensors):
         raise ValueError(
             "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton is "
             f"imported to run the kernels on CPU; got tensors on {tensors[0].device}."
         )
-    return interpret
+
+
+# ----------------------------------------------------------------------------- launch plans
+
+# Everything about a launch that the shapes, dtype and device decide (tiles, grids, dW's split,
+# workspace layout, ``tl.dot`` options) is worked out once per shape and cached, so that a
+# backward's host work is a few allocations and the launches themselves: with 3-4 launches of
+# small kernels per layer, host time per layer, not GPU time, is what BERT-base's step waits on.
+
+_ALIGN = 4  # int32 slots per 16 bytes: workspace slices start where Triton's pointer
+#             specialisation (16-byte alignment) expects them to
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelectPlan:
+    """The select and compact launches over ``M`` rows, and their int32 workspace: ``perm``
+    ``[0, M)``, ``count`` at ``count_at``, the blocks' counts at ``counts_at``, the int8 keep flags
+    packed four to a slot at ``keep_at``."""
+
+    grid: tuple[int]
+    num_blocks: int
+    select: dict  # constexprs and launch options of _select_kernel
+    compact: dict  # of _compact_kernel, but for COPY_DY / COPY_X / WITH_DB
+    count_at: int
+    counts_at: int
+    keep_at: int
+    size: int
+
+
+@functools.lru_cache(maxsize=None)
+def _select_plan(M: int) -> _SelectPlan:
+    tiles = dict(_INTERPRETER_SELECT_TILES if _INTERPRET else _SELECT_TILES)
+    num_blocks = triton.cdiv(M, tiles["BLOCK_M"])
+    compact = dict(
+        BLOCK_M=tiles["BLOCK_M"], BLOCK_COPY=64 if _INTERPRET else 256, COUNTS_CHUNK=64 if _INTERPRET else 1024,
+        BLOCK_DB=16 if _INTERPRET else 64, DB_BLOCKS=4 if _INTERPRET else 64, num_warps=4,
+    )
+    count_at = _aligned(M)
+    counts_at = count_at + _ALIGN
+    keep_at = _aligned(counts_at + num_blocks)
+    return _SelectPlan((num_blocks,), num_blocks, tiles, compact, count_at, counts_at, keep_at,
+                       keep_at + _aligned(triton.cdiv(M, 4)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmPlan:
+    """The GEMM launch (and dW's split-sum launch where ``split > 1``) for one shape."""
+
+    grid: tuple[int]
+    dw_programs: int
+    split: int
+    gemm: dict  # constexprs and launch options of _grads_kernel
+    sum_grid: tuple[int]
+    sum: dict  # of _split_sum_kernel
+
+
+def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _GemmPlan:
+    dx_tile, dw_tile = config["dx"], config["dw"]
+    dx_programs = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"]) if do_dx else 0
+    dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
+    split = _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), device) if do_dw else 1
+    dw_programs = dw_tiles * split if do_dw else 0
+    gemm = dict(
+        DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
+        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
+        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, GATHER=gather, **_dot_options(dtype), **config["launch"],
+    )
+    block = 1024
+    return _GemmPlan((dw_programs + dx_programs,), dw_programs, split, gemm,
+                     (triton.cdiv(N * K, block),), dict(BLOCK_M=dw_tile["BLOCK_M"], SPLIT=split, BLOCK=block))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device) -> _GemmPlan:
+    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, default_config(dtype, K, _INTERPRET))
 
 
 # ----------------------------------------------------------------------------- launches
 
-def _select(dy: torch.Tensor, policy: RowPolicy, with_db: bool, interpret: bool):
-    """``(keep int8 (M,), block_counts int32 (blocks,), db_partial float32 (blocks, N) | None,
-    BLOCK_M)`` of the select launch."""
-    M, N = dy.shape
-    tiles = dict(_INTERPRETER_SELECT_TILES if interpret else _SELECT_TILES)
-    num_blocks = triton.cdiv(M, tiles["BLOCK_M"])
-    keep_given = policy.max_rows is not None and policy.max_rows < M
-    if keep_given:
-        keep = keep_mask(dy, policy).view(torch.int8)
-    else:
-        keep = torch.empty(M, dtype=torch.int8, device=dy.device)
-    block_counts = torch.empty(num_blocks, dtype=torch.int32, device=dy.device)
-    db_partial = torch.empty((num_blocks, N), dtype=torch.float32, device=dy.device) if with_db else None
-    _select_kernel[(num_blocks,)](
-        dy, keep, block_counts, block_counts if db_partial is None else db_partial, policy.threshold, M, N,
-        dy.stride(0), dy.stride(1), KEEP_GIVEN=keep_given, WITH_DB=with_db, **tiles,
-    )
-    return keep, block_counts, db_partial, tiles["BLOCK_M"]
+def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool):
+    """``(perm, count, dy_kept, x_kept, db)``: the select and compact launches over the rows of
+    ``dy`` (``(M, N)``, ``M > 0``).
 
-
-def _compact(dy, x, keep, block_counts, block_m, copy: bool, interpret: bool, db_partial=None, db_dtype=None):
-    """``(perm, count, dy_kept, x_kept, db)``: with ``copy``, ``(M, ·)`` buffers whose first
-    ``count`` rows are the kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``),
-    without, ``None``; ``db`` (``(N,)`` in ``db_dtype``) where ``db_partial`` is given."""
+    ``keep``: ``(M,)`` bool flags to take as given, or ``None`` to score ``dy`` under ``policy``.
+    With ``copy``, ``dy_kept``/``x_kept`` are ``(M, ·)`` buffers whose first ``count`` rows are the
+    kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``); without, both ``None``.
+    ``db`` (``(N,)`` in ``bias_dtype``, the full column sum of ``dy``) where ``bias_dtype`` is given.
+    """
     M, N = dy.shape
     K = 0 if x is None else x.shape[1]
-    perm = torch.empty(M, dtype=torch.int32, device=dy.device)
-    count = torch.empty(1, dtype=torch.int32, device=dy.device)
-    dy_kept = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if copy else None
-    x_kept = torch.empty((M, K), dtype=x.dtype, device=x.device) if copy and x is not None else None
-    db = None if db_partial is None else torch.empty(N, dtype=db_dtype, device=dy.device)
-    num_blocks = block_counts.shape[0]
-    _compact_kernel[(num_blocks,)](
-        keep, block_counts, perm, count,
-        dy, dy if x is None else x, perm if dy_kept is None else dy_kept, perm if x_kept is None else x_kept,
-        perm if db_partial is None else db_partial, perm if db is None else db,
-        M, N, K, num_blocks,
+    plan = _select_plan(M)
+    device = dy.device
+    work = torch.empty(plan.size, dtype=torch.int32, device=device)
+    perm, count = work[:M], work[plan.count_at:plan.count_at + 1]
+    block_counts = work[plan.counts_at:plan.counts_at + plan.num_blocks]
+    flags = work[plan.keep_at:].view(torch.int8)[:M]
+    if keep is not None:
+        flags.copy_(keep)
+    with_db = bias_dtype is not None
+    db_partial = torch.empty((plan.num_blocks, N), dtype=torch.float32, device=device) if with_db else work
+    _select_kernel[plan.grid](
+        dy, flags, block_counts, db_partial, policy.threshold, M, N, dy.stride(0), dy.stride(1),
+        KEEP_GIVEN=keep is not None, WITH_DB=with_db, **plan.select,
+    )
+    dy_kept = x_kept = None
+    if copy:
+        # One buffer for both copies; x's part starts 16-byte aligned.
+        x_at = -(-M * N * dy.element_size() // 16) * 16 // dy.element_size()
+        kept = torch.empty(x_at + M * K, dtype=dy.dtype, device=device)
+        dy_kept = kept[:M * N].view(M, N)
+        x_kept = None if x is None else kept[x_at:].view(M, K)
+    db = torch.empty(N, dtype=bias_dtype, device=device) if with_db else None
+    _compact_kernel[plan.grid](
+        flags, block_counts, perm, count,
+        dy, dy if x is None else x, work if dy_kept is None else dy_kept, work if x_kept is None else x_kept,
+        db_partial, work if db is None else db,
+        M, N, K, plan.num_blocks,
         dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
-        BLOCK_M=block_m, BLOCK_COPY=64 if interpret else 256, COUNTS_CHUNK=64 if interpret else 1024,
-        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=db is not None,
-        BLOCK_DB=16 if interpret else 64, DB_BLOCKS=4 if interpret else 64, num_warps=4,
+        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=with_db, **plan.compact,
     )
     return perm, count, dy_kept, x_kept, db
 
@@ -442,13 +520,31 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
     Returns:
         ``perm`` ``(M,)`` int32 and ``count`` ``(1,)`` int32, both on ``dy``'s device.
     """
-    interpret = check_device(dy)
+    check_device(dy)
     if dy.shape[0] == 0:
         return (torch.empty(0, dtype=torch.int32, device=dy.device),
                 torch.zeros(1, dtype=torch.int32, device=dy.device))
-    keep, block_counts, _, block_m = _select(dy, policy, False, interpret)
-    perm, count, _, _, _ = _compact(dy, None, keep, block_counts, block_m, False, interpret)
+    perm, count, *_ = _select_and_compact(dy, None, _given_keep(dy, policy), policy, None, False)
     return perm, count
+
+
+def permutation_of(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)`` of :func:`~sebp_torch_ref.policy.active_first_permutation` of a ``(M,)``
+    bool mask, by the compact launch (a row plan's rows, made once per step)."""
+    check_device(keep)
+    if keep.shape[0] == 0:
+        return (torch.empty(0, dtype=torch.int32, device=keep.device),
+                torch.zeros(1, dtype=torch.int32, device=keep.device))
+    perm, count, *_ = _select_and_compact(keep[:, None], None, keep, RowPolicy(), None, False)
+    return perm, count
+
+
+def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
+    """The keep flags of a Top-N policy, ranked with torch ops; ``None`` where the select launch
+    scores the rows itself."""
+    if policy.max_rows is not None and policy.max_rows < dy.shape[0]:
+        return keep_mask(dy, policy)
+    return None
 
 
 def sebp_gemms(
@@ -481,36 +577,29 @@ def sebp_gemms(
         ``dX`` ``(M, K)`` in ``dy``'s dtype and ``dW`` ``(N, K)`` in ``out_dtype``, each ``None``
         where not asked for.
     """
-    interpret = check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
+    check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
     M, N = dy.shape
     K = (weight if weight is not None else x).shape[1]
-    cfg = config or default_config(dy.dtype, K, interpret)
-    dx_tile, dw_tile = cfg["dx"], cfg["dw"]
-    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=dy.device)
-    dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=dy.device)
-    dx_programs = 0 if dx is None else triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"])
-    dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
-    split = 1 if dw is None else _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), dy.device, interpret)
-    dw_out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dy.device)
-    dw_programs = 0 if dw is None else dw_tiles * split
+    device = dy.device
+    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=device)
+    dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=device)
     if M * N * K == 0:
         return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
-    _grads_kernel[(dw_programs + dx_programs,)](
+    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, not compacted, device)
+    plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
+    dw_out = dw
+    if plan.split > 1:
+        dw_out = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+    _grads_kernel[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw_out is None else dw_out,
-        M, N, K, dw_programs,
+        M, N, K, plan.dw_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
         *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()), N * K,
-        DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
-        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, DO_DX=dx is not None, DO_DW=dw is not None, GATHER=not compacted,
-        **_dot_options(dy.dtype, interpret), **cfg["launch"],
+        **plan.gemm,
     )
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(N * K, block),)](
-            dw_out, count, dw, N * K, BLOCK_M=dw_tile["BLOCK_M"], SPLIT=split, BLOCK=block,
-        )
+    if plan.split > 1:
+        _split_sum_kernel[plan.sum_grid](dw_out, count, dw, N * K, **plan.sum)
     return dx, dw
 
 
@@ -526,6 +615,7 @@ def sebp_grads(
     weight: torch.Tensor | None,
     policy: RowPolicy,
     bias_dtype: torch.dtype | None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dX, dW, db)`` of one linear layer's SEBP backward, each only where asked for.
 
@@ -535,26 +625,32 @@ def sebp_grads(
         weight: ``(N, K)`` weight, or ``None`` if ``dX`` is not needed.
         policy: which rows of ``dy`` are kept.
         bias_dtype: ``db``'s dtype, or ``None`` if ``db`` is not needed.
+        rows: a row plan's ``(perm, count)`` (:func:`permutation_of`), decided once for every
+            layer: then nothing selects or copies rows, the GEMM launch reads the kept rows of
+            ``dy`` and ``x`` through ``perm``, and ``policy`` is not read.
 
     Returns:
         ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``x``'s dtype, and ``db`` ``(N,)``
         (the full column sum of ``dy``, accumulated in float32).
     """
-    interpret = check_device(*(t for t in (dy, x, weight) if t is not None))
+    check_device(*(t for t in (dy, x, weight) if t is not None))
     M, N = dy.shape
-    if x is None and weight is None:  # only db: no rows to select
-        return None, None, None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
+    if (x is None and weight is None) or rows is not None:
+        db = None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
+        if x is None and weight is None:  # only db: no rows to select
+            return None, None, db
     if M == 0:
         dx = None if weight is None else dy.new_zeros(0, weight.shape[1])
         dw = None if x is None else torch.zeros((N, x.shape[1]), dtype=x.dtype, device=dy.device)
         db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
         return dx, dw, db
-    keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
+    out_dtype = dy.dtype if x is None else x.dtype
+    if rows is not None:
+        dx, dw = sebp_gemms(dy, weight, x, *rows, out_dtype, compacted=False)
+        return dx, dw, db
     copy = N <= _MAX_COPIED_COLUMNS
-    perm, count, dy_kept, x_kept, db = _compact(
-        dy, x, keep, block_counts, block_m, copy, interpret, db_partial, bias_dtype)
+    perm, count, dy_kept, x_kept, db = _select_and_compact(
+        dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
     dx, dw = sebp_gemms(
-        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
-        dy.dtype if x is None else x.dtype, compacted=copy,
-    )
+        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count, out_dtype, compacted=copy)
     return dx, dw, db
