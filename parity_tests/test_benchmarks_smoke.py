@@ -219,7 +219,7 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
   variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
-              "torch-bound"}
+              "torch-sebp-plan", "torch-bound"}
   # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
                 "torch-sebp-topn")

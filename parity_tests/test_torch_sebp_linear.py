@@ -626,6 +626,7 @@ def test_row_plan_refuses_a_non_exact_policy():
         ((torch.randn(2, 5), torch.randn(3, 5, dtype=torch.float64)), {}, TypeError, "weight"),
         ((torch.randn(2, 5), torch.randn(3, 5)), {"impl": "cuda"}, ValueError, "impl"),
         ((torch.randn(2, 5), torch.randn(3, 5)), {"policy": 0.1}, TypeError, "policy"),
+        ((torch.randn(2, 5), torch.randn(3, 5)), {"name": 3}, TypeError, "name"),
     ],
 )
 def test_bad_arguments(args, kwargs, error, name):

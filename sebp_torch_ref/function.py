@@ -142,19 +142,19 @@ class _SEBPLinearFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, bias, policy, impl, name) -> None:
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None and name == "bias":
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"sebp_linear: `name` must be a str or None, got {type(name).__name__}.")
+    for arg, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and arg == "bias":
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"sebp_linear: `{name}` must be a torch.Tensor, got {type(t).__name__}.")
+            raise TypeError(f"sebp_linear: `{arg}` must be a torch.Tensor, got {type(t).__name__}.")
         if not t.is_floating_point():
-            raise TypeError(f"sebp_linear: `{name}` must have a floating dtype, got {t.dtype}.")
+            raise TypeError(f"sebp_linear: `{arg}` must have a floating dtype, got {t.dtype}.")
     if not isinstance(policy, RowPolicy):
         raise TypeError(f"sebp_linear: `policy` must be a RowPolicy, got {type(policy).__name__}.")
     if impl not in IMPLS:
         raise ValueError(f"sebp_linear: `impl` must be one of {IMPLS}, got {impl!r}.")
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"sebp_linear: `name` must be a str or None, got {type(name).__name__}.")
     if x.dim() < 2:
         raise ValueError(f"sebp_linear: `x` must have rank >= 2 (..., in_features), got shape {tuple(x.shape)}.")
     if weight.dim() != 2:
@@ -166,9 +166,9 @@ def _check_args(x, weight, bias, policy, impl, name) -> None:
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"sebp_linear: `bias` must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
-    for name, t in (("weight", weight), ("bias", bias)):
+    for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"sebp_linear: `{name}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
+            raise TypeError(f"sebp_linear: `{arg}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
 
 
 # The Triton launches and the autograd.Function run eagerly: a graph break under torch.compile.
@@ -210,11 +210,15 @@ def sebp_linear(
         from . import kernels
 
         kernels.check_device(x)  # Fail at the call, not deep inside the backward.
-    name = name or f"sebp_linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
-    plan = None if impl == "dense" else current_plan(x, name)
-    if plan is not None and not policy.is_exact:
-        raise ValueError(f"row_plan: layer {name} has the non-exact policy {policy}; a row plan keeps "
-                         f"the mask's rows, so it needs the exact RowPolicy() (or leave the layer out).")
+    plan = None if impl == "dense" else current_plan(x)
+    if plan is not None:
+        # Named here, not per call: only a planned layer's errors need the name.
+        name = name or f"sebp_linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
+        plan.check_device(x, name)
+        if not policy.is_exact:
+            raise ValueError(f"row_plan: layer {name} has the non-exact policy {policy}; a row plan "
+                             f"keeps the mask's rows, so it needs the exact RowPolicy() (or leave the "
+                             f"layer out).")
     device_type = x.device.type
     autocast = contextlib.nullcontext()
     if torch.is_autocast_enabled(device_type):

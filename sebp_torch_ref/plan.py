@@ -46,6 +46,12 @@ class RowPlan:
         """Whether the plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
         return tuple(x.shape[:-1]) == self.rows_shape
 
+    def check_device(self, x: torch.Tensor, layer: str) -> None:
+        """Raises ``ValueError`` naming ``layer`` if the mask is not on its input ``x``'s device."""
+        if self.mask.device != x.device:
+            raise ValueError(f"row_plan: `mask` is on {self.mask.device} but layer {layer}'s input is "
+                             f"on {x.device}; move the mask to the model's device.")
+
     def rows(self, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(perm, count)``: the active-first permutation of the mask's rows (int32 ``(M,)``) and
         the number of kept rows (int32 ``(1,)``), device tensors made at the first call."""
@@ -107,13 +113,7 @@ def row_plan(mask: torch.Tensor, *, check: bool = False):
         _ROW_PLAN.reset(token)
 
 
-def current_plan(x: torch.Tensor, layer: str) -> RowPlan | None:
-    """The active plan if it applies to the layer input ``x``, else ``None``; raises if it would
-    apply but its mask lives on another device."""
+def current_plan(x: torch.Tensor) -> RowPlan | None:
+    """The active plan if it applies to the layer input ``x``, else ``None``."""
     plan = _ROW_PLAN.get()
-    if plan is None or not plan.applies_to(x):
-        return None
-    if plan.mask.device != x.device:
-        raise ValueError(f"row_plan: `mask` is on {plan.mask.device} but layer {layer}'s input is on "
-                         f"{x.device}; move the mask to the model's device.")
-    return plan
+    return plan if plan is not None and plan.applies_to(x) else None
