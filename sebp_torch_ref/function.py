@@ -122,23 +122,37 @@ class _SEBPLinearFunction(torch.autograd.Function):
         if ctx.impl == "triton":
             from . import kernels  # Triton is needed only here (and may be absent elsewhere).
 
-            # One read of dY gives the row selection and db's partial sums, unless a plan gives
-            # the rows.
-            dx, dw, db = kernels.sebp_grads(
-                dy, x if need_w else None, weight if need_x else None, ctx.policy,
-                ctx.bias_dtype if need_b else None, rows=None if plan is None else plan.rows("triton"),
-            )
-            return dx, dw, db, None, None, None, None
-        db = dy.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if need_b else None
+            if plan is None:
+                # One read of dY gives the row selection and db's partial sums.
+                dx, dw, db = kernels.sebp_grads(
+                    dy, x if need_w else None, weight if need_x else None, ctx.policy,
+                    ctx.bias_dtype if need_b else None,
+                )
+                return dx, dw, db, None, None, None, None
+        db = _bias_grad(dy, ctx.bias_dtype) if need_b else None
         dx = dw = None
         if ctx.impl == "dense":
             dx = dy @ weight if need_x else None
             dw = dy.t() @ x if need_w else None
+        elif (need_x or need_w) and ctx.impl == "triton":
+            # The plan's rows, read in place through its permutation: one GEMM launch.
+            dx, dw = kernels.sebp_gemms(
+                dy, weight if need_x else None, x if need_w else None, *plan.rows("triton"), ctx.dtype,
+                compacted=False,
+            )
         elif need_x or need_w:
             perm, count = (active_first_permutation(keep_mask(dy, ctx.policy)) if plan is None
                            else plan.rows("torch"))
             dx, dw = _masked_grads(dy, x, weight, perm, count, need_x, need_w)
         return dx, dw, db, None, None, None, None
+
+
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``db``: the full column sum of ``dy``, accumulated in float32. torch sums 16-bit floats in
+    float32 already, so where ``db`` has ``dy``'s dtype this is one launch."""
+    if dtype == dy.dtype:
+        return dy.sum(dim=0)
+    return dy.sum(dim=0, dtype=torch.float32).to(dtype)
 
 
 def _check_args(x, weight, bias, policy, impl, name) -> None:

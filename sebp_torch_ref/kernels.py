@@ -615,7 +615,6 @@ def sebp_grads(
     weight: torch.Tensor | None,
     policy: RowPolicy,
     bias_dtype: torch.dtype | None,
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dX, dW, db)`` of one linear layer's SEBP backward, each only where asked for.
 
@@ -625,9 +624,6 @@ def sebp_grads(
         weight: ``(N, K)`` weight, or ``None`` if ``dX`` is not needed.
         policy: which rows of ``dy`` are kept.
         bias_dtype: ``db``'s dtype, or ``None`` if ``db`` is not needed.
-        rows: a row plan's ``(perm, count)`` (:func:`permutation_of`), decided once for every
-            layer: then nothing selects or copies rows, the GEMM launch reads the kept rows of
-            ``dy`` and ``x`` through ``perm``, and ``policy`` is not read.
 
     Returns:
         ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``x``'s dtype, and ``db`` ``(N,)``
@@ -635,22 +631,18 @@ def sebp_grads(
     """
     check_device(*(t for t in (dy, x, weight) if t is not None))
     M, N = dy.shape
-    if (x is None and weight is None) or rows is not None:
-        db = None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
-        if x is None and weight is None:  # only db: no rows to select
-            return None, None, db
+    if x is None and weight is None:  # only db: no rows to select
+        return None, None, None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
     if M == 0:
         dx = None if weight is None else dy.new_zeros(0, weight.shape[1])
         dw = None if x is None else torch.zeros((N, x.shape[1]), dtype=x.dtype, device=dy.device)
         db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
         return dx, dw, db
-    out_dtype = dy.dtype if x is None else x.dtype
-    if rows is not None:
-        dx, dw = sebp_gemms(dy, weight, x, *rows, out_dtype, compacted=False)
-        return dx, dw, db
     copy = N <= _MAX_COPIED_COLUMNS
     perm, count, dy_kept, x_kept, db = _select_and_compact(
         dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
     dx, dw = sebp_gemms(
-        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count, out_dtype, compacted=copy)
+        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
+        dy.dtype if x is None else x.dtype, compacted=copy,
+    )
     return dx, dw, db
