@@ -1,7 +1,7 @@
 """Triton kernels of the SEBP backward: compact the kept rows first, then GEMMs on contiguous rows.
 
-One backward (:func:`sebp_grads`) is three launches, four where dW is split, and no host
-synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
+One backward (:func:`sebp_grads`) is three Triton launches (and a memset where dW is split) and
+no host synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
 the shapes alone (for all ``M`` rows); a program whose rows lie past ``count`` returns at once, as
 in vLLM's fused-MoE kernels, so the work follows ``count`` while the launches stay static and the
 whole backward can be captured in a CUDA graph.
@@ -21,8 +21,10 @@ whole backward can be captured in a CUDA graph.
      slices of the rows. ``split`` is sized on the host from the tile count and the number of SMs
      (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
      ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
-     return at once. With ``split > 1`` the slices write float32 partial sums and a fourth launch
-     adds the used ones (a fixed order: results do not depend on scheduling).
+     return at once. With ``split > 1`` the slices store float32 partial sums and count their
+     arrival on the tile (an atomic on a zeroed counter); the last to arrive adds the used
+     slices up in slice order (deterministic: results do not depend on scheduling) and stores
+     the tile, so the split costs no second launch, the way stream-K GEMMs fix up their tiles.
    * **dX** ``(M, K) = dY (M, N) @ W (N, K)``: tiles over (row blocks of the compacted prefix,
      column blocks of K). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by
      ``W`` and stores the result at rows ``perm[...]`` of ``dX``; a block past ``count`` stores
@@ -230,25 +232,30 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dw_tile(
-    pid, dy_ptr, x_ptr, perm_ptr, out_ptr, count, N, K,
-    stride_dym, stride_dyn, stride_xm, stride_xk, stride_split,
+    pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows; with ``SPLIT > 1`` it
-    stores float32 partial sums to slice ``pid_s``."""
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows.
+
+    With one slice in use the tile goes straight to dW (zeros if no row is kept). With several,
+    each slice stores its float32 partial sum and counts its arrival on the tile; the last to
+    arrive adds the used slices up in slice order (deterministic, whichever slice that is) and
+    stores the tile, so the split costs no second launch.
+    """
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tiles_k * tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
     pid_s = pid // tiles
-    pid_n = (pid % tiles) // tiles_k
-    pid_k = pid % tiles_k
     per_split, used = _split_rows(count, BLOCK_M, SPLIT)
-    # With one slice the output is dW itself and every tile is stored (zeros if no row is kept).
-    if (pid_s < used) | (SPLIT == 1):
+    if pid_s < tl.maximum(used, 1):
         start = pid_s * per_split * BLOCK_M
         end = tl.minimum(count, start + per_split * BLOCK_M)
-        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        ns = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offsets = ns[:, None] * K + ks[None, :]
+        in_tile = (ns[:, None] < N) & (ks[None, :] < K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
             slots = m0 + tl.arange(0, BLOCK_M)
@@ -267,19 +274,29 @@ def _dw_tile(
             if UPCAST:
                 dy, x = dy.to(tl.float32), x.to(tl.float32)
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
-        tl.store(
-            out_ptr + pid_s * stride_split + ns[:, None] * K + ks[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=(ns[:, None] < N) & (ks[None, :] < K),
-        )
+        if used <= 1:
+            tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+        else:
+            slice_size = N.to(tl.int64) * K
+            tl.store(partial_ptr + pid_s * slice_size + offsets, acc, mask=in_tile)
+            # Every thread's partial is stored before the arrival is counted (the atomic releases
+            # them to the GPU, and acquires the other slices' for the last one).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+            if arrived == used - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for s in range(0, used):
+                    # .cg: read at L2, where the other slices' stores are, not through L1.
+                    total += tl.load(partial_ptr + s * slice_size + offsets, mask=in_tile, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(dw_ptr + offsets, total.to(dw_ptr.dtype.element_ty), mask=in_tile)
 
 
 @triton.jit
 def _grads_kernel(
-    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_out_ptr,
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
     M, N, K, dw_programs,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
-    stride_split,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr,
@@ -294,8 +311,8 @@ def _grads_kernel(
         dx_pid = pid - dw_programs
         if pid < dw_programs:
             _dw_tile(
-                pid, dy_ptr, x_ptr, perm_ptr, dw_out_ptr, count, N, K,
-                stride_dym, stride_dyn, stride_xm, stride_xk, stride_split,
+                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
+                stride_dym, stride_dyn, stride_xm, stride_xk,
                 DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST,
             )
     if DO_DX:
@@ -305,20 +322,6 @@ def _grads_kernel(
                 stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
                 DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST,
             )
-
-
-@triton.jit
-def _split_sum_kernel(
-    partial_ptr, count_ptr, out_ptr, size,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """out = the sum of the used slices of ``partial`` (SPLIT, size), in slice order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _, used = _split_rows(tl.load(count_ptr), BLOCK_M, SPLIT)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, used):
-        acc += tl.load(partial_ptr + s * size + offs, mask=offs < size, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < size)
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -432,14 +435,13 @@ def _select_plan(M: int) -> _SelectPlan:
 
 @dataclasses.dataclass(frozen=True)
 class _GemmPlan:
-    """The GEMM launch (and dW's split-sum launch where ``split > 1``) for one shape."""
+    """The GEMM launch for one shape."""
 
     grid: tuple[int]
     dw_programs: int
+    dw_tiles: int
     split: int
     gemm: dict  # constexprs and launch options of _grads_kernel
-    sum_grid: tuple[int]
-    sum: dict  # of _split_sum_kernel
 
 
 def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _GemmPlan:
@@ -453,9 +455,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _G
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, GATHER=gather, **_dot_options(dtype), **config["launch"],
     )
-    block = 1024
-    return _GemmPlan((dw_programs + dx_programs,), dw_programs, split, gemm,
-                     (triton.cdiv(N * K, block),), dict(BLOCK_M=dw_tile["BLOCK_M"], SPLIT=split, BLOCK=block))
+    return _GemmPlan((dw_programs + dx_programs,), dw_programs, dw_tiles, split, gemm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -559,7 +559,7 @@ def sebp_gemms(
     config: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero) and ``dW = (dY * keep[:, None])^T @
-    X`` (a sum over the kept rows only), in one launch (two where dW is split over rows).
+    X`` (a sum over the kept rows only), in one launch (and a memset where dW is split over rows).
 
     Args:
         dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
@@ -587,19 +587,18 @@ def sebp_gemms(
         return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, not compacted, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
-    dw_out = dw
-    if plan.split > 1:
-        dw_out = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+    partial = arrivals = count
+    if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
+        partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+        arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
     _grads_kernel[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
-        dy if dx is None else dx, dy if dw_out is None else dw_out,
+        dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
         M, N, K, plan.dw_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
-        *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()), N * K,
+        *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
         **plan.gemm,
     )
-    if plan.split > 1:
-        _split_sum_kernel[plan.sum_grid](dw_out, count, dw, N * K, **plan.sum)
     return dx, dw
 
 
