@@ -39,7 +39,7 @@ __all__ = ["kernel_family", "kernel_times", "profile_variant", "variant_entry", 
 # "sm90_xmma_*"; cuDNN's and torch's fused attention kernels name cudnn, flash or fmha.
 _FAMILIES = (
   ("SEBP dX", ("sebp_dx",)),
-  ("SEBP dW", ("sebp_dw",)),
+  ("SEBP dW", ("sebp_dw", "_split_sum_kernel")),
   ("SEBP dX + dW (one launch)", ("_grads_kernel",)),
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
   ("SEBP gather", ("sebp_gather", "_gather_kernel")),
