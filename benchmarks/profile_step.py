@@ -24,14 +24,15 @@ import json
 import pathlib
 import statistics
 import tempfile
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
   single_workload_parser, versions_text,
 )
 
-__all__ = ["kernel_family", "kernel_times", "profile_variant", "variant_entry", "markdown_report"]
+__all__ = ["kernel_family", "kernel_times", "profile_variant", "traced_kernel_times", "variant_entry",
+           "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
 # `pallas_call` names (sebp_jax.backends.pallas), the torch reference's Triton kernels their
@@ -94,6 +95,17 @@ def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
+def traced_kernel_times(run: Callable[[], Any], calls: int) -> dict[str, tuple[float, float]]:
+  """:func:`kernel_times` of what ``run()`` launches (``calls`` program calls), traced with
+  ``jax.profiler``; ``run`` must block until its results are ready."""
+  import jax
+
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      run()
+    return kernel_times(_trace_events(pathlib.Path(trace_dir)), calls)
+
+
 def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
                     batches: Sequence[dict], repeats: int = 3) -> dict:
   """Wall time and per-kernel GPU time of ``variant``'s loss-and-gradients program.
@@ -113,11 +125,8 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   warm, timed = batches[0], batches[1:]
   jax.block_until_ready(grad_fn(params, warm))
   walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for batch in timed:
-        jax.block_until_ready(grad_fn(params, batch))
-    kernels = kernel_times(_trace_events(pathlib.Path(trace_dir)), len(timed))
+  kernels = traced_kernel_times(
+    lambda: [jax.block_until_ready(grad_fn(params, batch)) for batch in timed], len(timed))
   if not kernels:
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")

@@ -10,6 +10,7 @@ rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/b
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profile_step
 from benchmarks.layer import ideal_backward, sebp_backward
 from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
 from benchmarks.timing import device_time_ms, environment
@@ -36,8 +38,22 @@ CANDIDATES = {
   "dw_m128": _Config(dw_m=128, dw_k=128, dw_n=128, dw_warps=8),
   "stages4": _Config(dx_stages=4, dw_stages=4),
   "big": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64),
-  # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs.
+  # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
+  # (LLaMA-3B at batch 1, ~80 kept rows: 48 dX programs on 132 SMs with the default tiles, 96
+  # with dx_k64, 192 with dx_k32); shorter row blocks waste less of the last one.
   "dx_k64": _Config(dx_k=64),
+  "dx_k32": _Config(dx_k=32),
+  "dx_m32_k64": _Config(dx_m=32, dx_k=64),
+  "dx_m32_k32": _Config(dx_m=32, dx_k=32),
+  "dx_k32_n128": _Config(dx_k=32, dx_n=128),
+  # ... or one row block holds them all, so W streams from DRAM once, in narrow column blocks.
+  "dx_m128_k32": _Config(dx_m=128, dx_k=32, dx_warps=8),
+  "dx_m128_k64": _Config(dx_m=128, dx_k=64, dx_warps=8),
+  "dx_m128_k32_n128": _Config(dx_m=128, dx_k=32, dx_n=128, dx_warps=8),
+  # ... or longer steps over N with more of them in flight: more bytes per program in the air.
+  "dx_n128": _Config(dx_n=128),
+  "dx_n128_s4": _Config(dx_n=128, dx_stages=4),
+  "dx_k64_n128": _Config(dx_k=64, dx_n=128),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
   # Few kept rows: the count-adaptive dX split (`with_dx_split` sizes it for the GPU), at most
   # 2 / 4 / 8 programs per tile, aiming at one working program per SM; and at two per SM
@@ -46,6 +62,7 @@ CANDIDATES = {
   "dx_split4": _Config(dx_split=4),
   "dx_split8": _Config(dx_split=8),
   "dx_split8_fill264": _Config(dx_split=8, dx_fill=264),
+  "dx_split8_fill264_n128": _Config(dx_split=8, dx_fill=264, dx_n=128),
 }
 _BASELINES = ("dense", "ideal", "xla", "selection")
 
@@ -54,6 +71,18 @@ _DENSE_BACKWARD = sebp_backward("dense")
 
 def _selection(dy):
   return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
+
+
+def _family_times(fn, input_sets) -> dict[str, float]:
+  """GPU ms per call of ``fn`` by kernel family (``profile_step``'s), over ``input_sets``."""
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*input_sets[0]))
+  kernels = profile_step.traced_kernel_times(
+    lambda: [jax.block_until_ready(jitted(*args)) for args in input_sets], len(input_sets))
+  totals = collections.Counter()
+  for kernel, (ms, _) in kernels.items():
+    totals[profile_step.kernel_family(kernel)] += ms
+  return {"busy": sum(totals.values()), **dict(totals.most_common())}
 
 
 def main() -> None:
@@ -69,6 +98,9 @@ def main() -> None:
                       "fraction (so a run cut short keeps what it measured)")
   parser.add_argument("--kernels", action="store_true",
                       help="also time gather, dX and dW alone on a ready partition")
+  parser.add_argument("--families", action="store_true",
+                      help="also trace each configuration's backward and report GPU time per "
+                           "kernel family (partition, gather, dX, dW, other); GPU only")
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   rows = []
@@ -90,9 +122,12 @@ def main() -> None:
         "selection": lambda: device_time_ms(_selection, [s[2:3] for s in sets]),
       }
       timings = {name: baselines[name]() for name in args.baselines}
+      families = {}
       for name in args.configs:
-        config = pallas_backend.with_dw_split(CANDIDATES[name], shape.in_features,
-                                              shape.out_features)
+        # Vocabulary-wide layers are read in place, as block_config has them in a model.
+        config = dataclasses.replace(CANDIDATES[name], compact=pallas_backend.block_config(
+          shape.rows, shape.in_features, shape.out_features, dtype).compact)
+        config = pallas_backend.with_dw_split(config, shape.in_features, shape.out_features)
         config = pallas_backend.with_dx_split(config, shape.rows, shape.in_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
@@ -104,15 +139,20 @@ def main() -> None:
           timings[name + "/kernels"] = device_time_ms(
             functools.partial(pallas_backend.sparse_backward, config=config),
             [(*s[:3], *_selection(s[2])) for s in sets])
+        if args.families:
+          families[name] = _family_times(fn, [s[:3] for s in sets])
         if max(errors) > 2e-2:
           print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
         rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
                      "ms": timings[name], "kernels_ms": timings.get(name + "/kernels"),
+                     "families_ms": families.get(name),
                      "block_config": dataclasses.asdict(config)})
       for name in args.baselines:
         rows.append({**base, "config": name, "ms": timings[name]})
       print(f"{shape_name} {count / shape.rows:5.1%} " + " ".join(
         f"{k}={v:.3f}" for k, v in timings.items()), flush=True)
+      for name, times in families.items():
+        print(f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in times.items()), flush=True)
       if args.out:
         with open(args.out, "w") as f:
           json.dump({**environment(), "dtype": args.dtype, "rows": rows}, f, indent=1)

@@ -183,6 +183,28 @@ def test_partition_kernel(interpret, num_rows, density):
   np.testing.assert_array_equal(perm[num_rows:], np.arange(num_rows, len(perm)))
 
 
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 48])
+def test_gather_kernel(interpret, count):
+  # Two sources of different widths and dtypes, each of several column chunks (dy: 3 chunks of
+  # 256 columns, x: 5 of 64), and every program copies one chunk of one source: the kept rows in
+  # perm order, then zeros to the end of the block that holds the last of them.
+  num_rows, block_m = 48, 16
+  rng = np.random.default_rng(count)
+  dy = jnp.asarray(rng.standard_normal((num_rows, 768)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((num_rows, 320)), jnp.float32)
+  keep = np.zeros(num_rows, bool)
+  keep[rng.permutation(num_rows)[:count]] = True
+  perm, counted = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
+  gathered = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
+    sources, perm, counted, block_m=block_m, interpret=interpret))([dy, x], perm, counted)
+  written = -(-count // block_m) * block_m
+  for source, copy in zip((dy, x), gathered):
+    source, copy = np.asarray(source, np.float32), np.asarray(copy, np.float32)
+    np.testing.assert_array_equal(copy[:count], source[np.nonzero(keep)[0]])
+    np.testing.assert_array_equal(copy[count:written], 0.0)
+
+
 def test_reference_mask_agrees_with_count():
   # Guards the helper above: the reference counts what _case made active.
   rng = np.random.default_rng(0)
@@ -201,6 +223,30 @@ def test_block_table_shrinks_to_small_layers():
 def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
   # A compacted copy of a vocabulary-wide dy would add a dy-sized buffer to the peak memory.
   assert pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16).compact == compact
+
+
+@pytest.mark.parametrize("rows,in_features,out_features,dx_n,dx_k", [
+  (4096, 3072, 8192, 128, 128),  # LLaMA-3B MLP at batch 1: long dX steps over N
+  (4096, 3072, 1024, 64, 128),  # its k/v projections: a small weight, the default tiles
+  (32768, 3072, 8192, 64, 256),  # the MLP at batch 8: the wide tiles
+])
+def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out_features,
+                                             dx_n, dx_k):
+  monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
+  config = pallas_backend.block_config(rows, in_features, out_features, jnp.bfloat16)
+  assert (config.dx_n, config.dx_k) == (dx_n, dx_k)
+
+
+@pytest.mark.parametrize("out_features,split,split_rows", [(8192, 1, 0), (128256, 8, 320)])
+def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, split,
+                                                         split_rows):
+  # The LM head's dX (24 column blocks of 128 at K = 3072) shares its 128,256-column loop among
+  # up to 8 programs per tile, sized for two working programs per SM: 264 // (2 * 24) = 5 row
+  # blocks of 64 can still have 2 parts. Other layers keep the unsplit dX.
+  monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  config = pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16)
+  assert (config.dx_split, config.dx_split_rows) == (split, split_rows)
 
 
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
@@ -266,6 +312,30 @@ def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
   # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
   # without the gather.
   expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
+@pytest.mark.parametrize("key", sorted(pallas_backend._BLOCK_TABLE), ids=str)
+def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
+  # Every tuned entry as block_config hands it to a layer on the GPU it was tuned for (the SM
+  # count of an H100 sizes its splits), lowered the way the test above lowers its variants.
+  from jax import export
+
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  dtype = {2: jnp.bfloat16, 4: jnp.float32}[key[1]]
+  num_rows, in_features, out_features = 4096, 3072, 16384 if key[2] == "vocab" else 640
+  config = pallas_backend.BlockConfig(**{
+    **pallas_backend._BLOCK_TABLE[key].__dict__, "compact": key[2] != "vocab"})
+  config = pallas_backend.with_dx_split(config, num_rows, in_features)
+  shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in (
+    (num_rows, in_features), (in_features, out_features), (num_rows, out_features))]
+  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=RowPolicy(),
+                                                              config=config))
+  exported = export.export(
+    backward, platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+  # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
+  expected = 3 + config.compact + (config.dx_split > 1)
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 

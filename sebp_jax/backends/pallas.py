@@ -110,9 +110,20 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
-  # float32: one entry for both classes (not re-tuned for v5).
+  # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
+  # give a few dozen dX tiles, each streaming all of N alone; steps of 128 columns four deep
+  # keep more of W in flight per program: MLP up 0.154 -> 0.120 ms at 2 %, 0.170 -> 0.132 at
+  # 5 %, 0.241 -> 0.233 at 21 %; q/o 0.089 -> 0.069 at 2 % but +10 % at 21 %; down within
+  # -0 / +12 % (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection).
+  ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
+  # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
+  # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
+  # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200) it takes
+  # 0.48 ms, and the layer's backward 2.34 -> 1.63 ms (results/v8_h100/tune_v8_head_h100.json).
+  ("hopper", 2, "vocab"): BlockConfig(dx_split=8, dx_fill=264),
+  # float32: one entry for every class (not re-tuned for v5).
   **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
-     for shape_class in ("narrow", "wide")},
+     for shape_class in ("narrow", "wide", "wide_short", "vocab")},
 }
 _WIDE_WEIGHT = 3072 * 3072
 _WIDE_ROWS = 16384
@@ -169,8 +180,12 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
   A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
   132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
   """
-  wide = num_rows >= _WIDE_ROWS and in_features * out_features >= _WIDE_WEIGHT
-  shape_class = "wide" if wide else "narrow"
+  if out_features >= _IN_PLACE_COLUMNS:
+    shape_class = "vocab"
+  elif in_features * out_features >= _WIDE_WEIGHT:
+    shape_class = "wide" if num_rows >= _WIDE_ROWS else "wide_short"
+  else:
+    shape_class = "narrow"
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
                           _DEFAULT_CONFIG)
   config = dataclasses.replace(
@@ -343,21 +358,30 @@ def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
   return load
 
 
-def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...]):
-  """Rows ``perm[block]`` of each source copied to the block's contiguous rows of its copy; rows
-  at or past ``count`` as zeros (the one block that straddles it), nothing past that block."""
+def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...],
+                   chunks: tuple[int, ...]):
+  """Program ``(i, c)``: rows ``perm[block i]`` of column chunk ``c`` copied to block ``i``'s
+  contiguous rows of a copy. Chunks are numbered across the sources, first to last, so each
+  program copies one chunk of one source; rows at or past ``count`` as zeros (the one block that
+  straddles it), nothing in the blocks past it."""
   sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
   start = pl.program_id(0) * block_m
+  chunk = pl.program_id(1)
   count = count_ref[0]
   load = _kept_rows(perm_ref, count, start, block_m, compact=False)
-  live = (start < count).astype(jnp.int32)  # arithmetic, not a branch: see _pick
-  for source, copy, cols in zip(sources, copies, block_cols):
-    def step(c, carry, source=source, copy=copy, cols=cols):
-      span = pl.ds(c * cols, cols)
+  live = (start < count).astype(jnp.int32)
+  first = 0
+  for source, copy, cols, own_chunks in zip(sources, copies, block_cols, chunks):
+    local = chunk - first
+    mine = live * ((local >= 0) & (local < own_chunks)).astype(jnp.int32)
+
+    def step(_, carry, source=source, copy=copy, span=pl.ds(local * cols, cols)):
       copy[pl.ds(start, block_m), span] = load(source, span)
       return carry
 
-    lax.fori_loop(0, live * (source.shape[1] // cols), step, jnp.int32(0))
+    # A loop of 0 or 1 trips rather than a branch (arithmetic flags: see _pick).
+    lax.fori_loop(0, mine, step, jnp.int32(0))
+    first += own_chunks
 
 
 def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False):
@@ -366,15 +390,21 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   Row ``i < count`` of a copy is row ``perm[i]`` of its source; rows ``count ..
   round_up(count, block_m) - 1`` are zero; the rows past those are never written (whatever the
   allocator left there: readers stop at that block). ``M`` must be a multiple of ``block_m``.
+
+  The grid is row blocks times column chunks of every source: with few kept rows (LLaMA-3B at
+  batch 1: ~80 of 4096, two row blocks) a grid over row blocks alone left two programs to copy
+  11,264 columns each, one chunk after another: 0.048 ms for a layer whose whole backward is
+  0.18 ms (results/v8_h100/tune_fewrows_h100.json).
   """
   num_rows = sources[0].shape[0]
   # The widest power of two up to _GATHER_COLS that divides the width (widths are whole tiles).
   block_cols = tuple(math.gcd(_GATHER_COLS, s.shape[1]) for s in sources)
   for source, cols in zip(sources, block_cols):
     assert source.shape[0] == num_rows and source.shape[1] % cols == 0, (source.shape, cols)
-  body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols)
+  chunks = tuple(s.shape[1] // cols for s, cols in zip(sources, block_cols))
+  body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols, chunks=chunks)
   return _launch(body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources),
-                 grid=(num_rows // block_m,), warps=_GATHER_WARPS, stages=2,
+                 grid=(num_rows // block_m, sum(chunks)), warps=_GATHER_WARPS, stages=2,
                  interpret=interpret, name="sebp_gather")(count, perm, *sources)
 
 
