@@ -277,7 +277,8 @@ def _dw_tile(
         if used <= 1:
             tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
         else:
-            slice_size = N.to(tl.int64) * K
+            # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
+            slice_size = N * K
             tl.store(partial_ptr + pid_s * slice_size + offsets, acc, mask=in_tile)
             # Every thread's partial is stored before the arrival is counted (the atomic releases
             # them to the GPU, and acquires the other slices' for the last one).
