@@ -218,6 +218,12 @@ def sebp_linear(
     :func:`~sebp_torch_ref.row_plan`, a layer whose leading dims are the mask's keeps the mask's
     rows instead of scoring ``dY`` (exact policy only).
     """
+    if torch.compiler.is_compiling():
+        return _sebp_linear_graph_break(x, weight, bias, policy, impl, name)
+    return _sebp_linear(x, weight, bias, policy, impl, name)
+
+
+def _sebp_linear(x, weight, bias, policy, impl, name) -> torch.Tensor:
     _check_args(x, weight, bias, policy, impl, name)
     impl = "dense" if _DENSE_BACKWARD.get() else _resolve_impl(impl, x.device)
     if impl == "triton":
@@ -246,3 +252,8 @@ def sebp_linear(
     with autocast:
         y2d = _SEBPLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, policy, impl, plan, name)
     return y2d.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# Under torch.compile the layer is a graph break: the Triton launches and the autograd Function run
+# eagerly. Only there: wrapping sebp_linear itself would cost every eager call the wrapper's time.
+_sebp_linear_graph_break = torch.compiler.disable(_sebp_linear)
