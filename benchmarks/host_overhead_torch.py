@@ -191,13 +191,13 @@ def main(argv=None) -> None:
     parser.add_argument("--real", type=float, default=0.03, help="mean fraction of real tokens")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
-    parser.add_argument("--tiny", action="store_true", help="CPU check: 2 tiny blocks, batch 2 x 16, 2 steps")
+    parser.add_argument("--tiny", action="store_true", help="CPU check: 1 tiny block, batch 2 x 16, 2 steps")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shapes = BERT_BLOCK
     if args.tiny:
-        shapes, args.blocks, args.batch, args.seq, args.steps = TINY_BLOCK, 2, 2, 16, 2
+        shapes, args.blocks, args.batch, args.seq, args.steps = TINY_BLOCK, 1, 2, 16, 2
     x, mask = _padded_batch(args.batch, args.seq, args.real, shapes[0][0], device, dtype)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).replace("torch.", ""),
