@@ -40,15 +40,15 @@ stage() {
 # append FILE...: markdown files written by a stage, into the summary.
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
-stage 80 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
+stage 100 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
   parity_tests/test_torch_hf.py -m gpu -q -x -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml"
-stage 70 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+stage 60 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
   --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
 append "$out/host_overhead_torch_profile.txt"
-stage 45 "one layer (CUDA-graph replay and eager)" $py -m benchmarks.layer_torch --check \
+stage 40 "one layer (CUDA-graph replay and eager)" $py -m benchmarks.layer_torch --check \
   --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 --out "$out/torch_layer.json"
 append "$out/torch_layer.md"
-stage 150 "BERT-base b32" $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 140 \
+stage 145 "BERT-base b32" $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 135 \
   --variants torch-dense torch-sebp torch-sebp-plan torch-bound
 append "$out/bert_torch.md"
 stage 135 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 125 \
