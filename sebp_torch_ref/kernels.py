@@ -392,7 +392,7 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 # Everything about a launch that the shapes, dtype and device decide (tiles, grids, dW's split,
 # workspace layout, ``tl.dot`` options) is worked out once per shape and cached, so that a
-# backward's host work is a few allocations and the launches themselves: with 3-4 launches of
+# backward's host work is a few allocations and the launches themselves: with a few launches of
 # small kernels per layer, host time per layer, not GPU time, is what BERT-base's step waits on.
 
 _ALIGN = 4  # int32 slots per 16 bytes: workspace slices start where Triton's pointer
@@ -461,6 +461,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _G
 
 @functools.lru_cache(maxsize=None)
 def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device) -> _GemmPlan:
+    """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
     return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, default_config(dtype, K, _INTERPRET))
 
 
