@@ -5,6 +5,9 @@ one, written as JSON rows that stand beside the JAX results in one table.
 
 * ``dense``: autograd of ``F.linear`` (cuBLAS dX and dW over all M rows).
 * ``sebp_triton`` / ``sebp_torch``: autograd of ``sebp_linear`` with that backend (exact policy).
+* ``sebp_triton_gather``: ``sebp_triton`` with the kept rows of dY and X read in place through the
+  permutation instead of copied to contiguous buffers first (what it does for an LM head's
+  vocabulary-wide gradient): whether the copies pay for themselves.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -65,7 +68,7 @@ SHAPES = [
     ],
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-IMPLS = ("dense", "sebp_triton", "sebp_torch", "ideal")
+IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
 
 
@@ -90,8 +93,21 @@ def backward_fn(impl: str, x, weight, dy, active: int):
     elif impl == "dense":
         y = F.linear(x, weight)
     else:
-        y = sebp_linear(x, weight, impl=impl.removeprefix("sebp_"))
-    return lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)
+        y = sebp_linear(x, weight, impl=impl.removeprefix("sebp_").removesuffix("_gather"))
+    grad = lambda: torch.autograd.grad(y, (x, weight), dy, retain_graph=True)  # noqa: E731
+    return _reading_through_perm(grad) if impl == "sebp_triton_gather" else grad
+
+
+def _reading_through_perm(fn):
+    """``fn`` run with the Triton backward's compacted copies switched off (a column limit of 0)."""
+    def run():
+        saved = kernels._MAX_COPIED_COLUMNS
+        kernels._MAX_COPIED_COLUMNS = 0
+        try:
+            return fn()
+        finally:
+            kernels._MAX_COPIED_COLUMNS = saved
+    return run
 
 
 def graph_backward_fn(impl: str, x, weight, dy, active: int):
@@ -118,7 +134,7 @@ def check(shape: Shape) -> None:
     for fraction in (1.0, 0.2, 0.02):
         x, weight, dy, active = make_case(shape, fraction, seed=1)
         want = backward_fn("dense", x, weight, dy, active)()
-        for impl in ("sebp_triton", "sebp_torch"):
+        for impl in ("sebp_triton", "sebp_triton_gather", "sebp_torch"):
             got = backward_fn(impl, x, weight, dy, active)()
             for name, g, w in zip(("dx", "dw"), got, want):
                 scale = w.float().abs().max().item()
@@ -130,8 +146,8 @@ def check(shape: Shape) -> None:
 
 
 TUNE_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in [
+    (dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), dict(num_warps=w, num_stages=st))
+    for bm, bn, bk, w, st in [
         (128, 64, 128, 8, 3), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (128, 32, 128, 4, 4),
         (128, 64, 256, 8, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4),
         (64, 64, 64, 4, 4), (128, 128, 128, 8, 3),
@@ -140,27 +156,26 @@ TUNE_CANDIDATES = [
 
 
 def tune(shape: Shape, fraction: float) -> None:
-    """Times every candidate block config for both kernels; prints the best few."""
+    """Times every candidate tile for each GEMM of the launch alone; prints the best few."""
     x, weight, dy, _ = make_case(shape, fraction)
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     perm, count = kernels.select_rows(dy2, RowPolicy())
-    # The compacted operands the GEMM kernels read: kept rows first, in perm order.
+    # The compacted operands the GEMMs read: kept rows first, in perm order.
     dy_kept, x_kept = dy2[perm.long()].contiguous(), x2[perm.long()].contiguous()
+    default = kernels.default_config(DTYPE, shape.in_features)
     for kernel in ("dx", "dw"):
+        operands = (weight.detach(), None) if kernel == "dx" else (None, x_kept)
         results = []
-        for cfg in TUNE_CANDIDATES:
-            if kernel == "dx":
-                fn = lambda: kernels.sebp_dx(dy_kept, weight.detach(), perm, count, compacted=True, config=cfg)  # noqa: E731
-            else:
-                fn = lambda: kernels.sebp_dw(dy_kept, x_kept, perm, count, DTYPE, compacted=True, config=cfg)  # noqa: E731
+        for tile, launch in TUNE_CANDIDATES:
+            cfg = {**default, kernel: tile, "launch": launch}
+            fn = lambda: kernels.sebp_gemms(dy_kept, *operands, perm, count, DTYPE, compacted=True, config=cfg)  # noqa: E731
             try:
-                results.append((triton.testing.do_bench(fn, return_mode="median"), cfg))
+                results.append((triton.testing.do_bench(fn, return_mode="median"), tile, launch))
             except Exception as error:  # out of shared memory etc.: a candidate, not the code, fails
-                print(f"  {kernel} {cfg}: {type(error).__name__}")
+                print(f"  {kernel} {tile} {launch}: {type(error).__name__}")
         results.sort(key=lambda r: r[0])
-        default = kernels.default_config(kernel, DTYPE, out_columns=shape.in_features)
-        default_ms = next((ms for ms, cfg in results if cfg == default), float("nan"))
-        best = ", ".join(f"{ms:.3f}ms {tuple(c.values())}" for ms, c in results[:3])
+        default_ms = next((ms for ms, t, l in results if t == default[kernel] and l == default["launch"]), float("nan"))
+        best = ", ".join(f"{ms:.3f}ms {tuple(t.values())}+{tuple(l.values())}" for ms, t, l in results[:3])
         print(f"tune {shape.name} f={fraction} {kernel}: default {default_ms:.3f}ms; best {best}")
 
 

@@ -39,8 +39,9 @@ __all__ = ["kernel_family", "kernel_times", "profile_variant", "traced_kernel_ti
 # function names (sebp_torch_ref.kernels); cuBLAS's Hopper kernels are "nvjet_*" or
 # "sm90_xmma_*"; cuDNN's and torch's fused attention kernels name cudnn, flash or fmha.
 _FAMILIES = (
-  ("SEBP dX", ("sebp_dx", "_dx_kernel")),
-  ("SEBP dW", ("sebp_dw", "_dw_kernel", "_split_sum_kernel")),
+  ("SEBP dX", ("sebp_dx",)),
+  ("SEBP dW", ("sebp_dw", "_split_sum_kernel")),
+  ("SEBP dX + dW (one launch)", ("_grads_kernel",)),
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
   ("SEBP gather", ("sebp_gather", "_gather_kernel")),
   ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),

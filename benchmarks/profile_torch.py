@@ -29,8 +29,8 @@ from typing import Sequence
 
 from benchmarks.profile_step import markdown_report, variant_entry
 from benchmarks.workloads import (
-  VARIANTS, Settings, Variant, library_versions, torch_dense_steps, torch_variant_model,
-  workload_batches,
+  VARIANTS, Settings, Variant, library_versions, torch_dense_steps, torch_forward_context,
+  torch_variant_model, workload_batches,
 )
 
 __all__ = ["profile_variant"]
@@ -60,12 +60,10 @@ def profile_variant(spec, variant: Variant, batches: Sequence[dict], dense_steps
   """
   import torch
 
-  from sebp_torch_ref import dense_backward
-
   model = torch_variant_model(spec, variant, "cuda")
 
   def call(batch, dense):
-    with dense_backward(dense):
+    with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
     loss.backward()
     for p in model.parameters():

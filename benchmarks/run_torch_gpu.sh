@@ -1,31 +1,62 @@
 #!/usr/bin/env bash
-# The torch reference on one GPU in about 9 minutes (issue 19): its GPU tests, the layer benchmark
-# on two shapes, BERT-base b32 and LLaMA-3.2-3B b1 with the torch variants (dense, SEBP, bound,
-# the paper's Top-N, compiled dense), and a per-kernel-family profile of each model's backward.
+# The torch reference on one GPU in at most 9 minutes (issue 19): its GPU tests, host vs GPU time
+# per layer (host_overhead_torch), the layer benchmark on two shapes, BERT-base b32 and
+# LLaMA-3.2-3B b1 with torch-dense, torch-sebp, torch-sebp-plan (row plan of the attention mask)
+# and torch-bound, and a per-kernel-family profile of the BERT step.
 #
-#   OUT=/some/dir bash benchmarks/run_torch_gpu.sh     # results under $OUT/torch
+#   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh    # results under $OUT/torch
 #
-# Every stage has its own time limit, so a slow or failing stage costs only its share; each
-# writes JSON + md (+ PNG for the models) naming the card and library versions.
+# Every stage has its own time limit (together 530 s), so a slow or failing stage costs only its
+# share. Each stage writes its own files naming the card and library versions, and appends what
+# it printed to $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
 out=${OUT:-benchmarks/results}/torch
 mkdir -p "$out"
 py=${PYTHON:-python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/card.txt"
-$py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" >> "$out/card.txt"
-cat "$out/card.txt"
-stage() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; SECONDS=0; timeout "$limit" "$@"; echo "== rc $? after ${SECONDS}s"; }
-stage 100 $py -m pytest parity_tests/test_torch_sebp_linear.py parity_tests/test_torch_hf.py -m gpu -q -x \
-  -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml" 2>&1 | tail -8
-stage 30 $py -m benchmarks.layer_torch --check --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 \
-  --out "$out/torch_layer.json" 2>&1 | tail -16
-stage 160 $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 150 \
-  --variants torch-dense torch-sebp torch-bound torch-sebp-topn torch-dense-compiled 2>&1 | tail -4
-stage 140 $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 130 \
-  --workloads piqa obqa full_length --variants torch-dense torch-sebp torch-bound torch-dense-compiled 2>&1 | tail -4
-stage 30 $py -m benchmarks.profile_torch --model bert --batch 32 --workload glue_sst2 --out-dir "$out"
-stage 50 $py -m benchmarks.profile_torch --model llama --batch 1 --workload piqa --out-dir "$out" \
-  --variants torch-sebp torch-bound
-$py -m benchmarks.summary "$out"/bert_torch.json "$out"/llama_b1_torch.json | tee "$out/summary_torch.md"
+summary="$out/summary_torch.md"
+{
+  echo "# torch reference on one GPU ($(date -u +%F), git $(git rev-parse --short HEAD 2>/dev/null))"
+  echo '```'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  echo '```'
+} > "$summary" 2>&1
+cat "$summary"
+# stage LIMIT TITLE CMD...: runs CMD under LIMIT seconds; its output goes to the terminal and,
+# fenced under TITLE, to the summary (the last 60 lines).
+stage() {
+  local limit=$1 title=$2; shift 2
+  echo "== $title (limit ${limit}s)"
+  SECONDS=0
+  timeout "$limit" "$@" > "$out/stage.log" 2>&1
+  local rc=$?
+  cat "$out/stage.log"
+  { printf '\n## %s (rc %s after %ss, limit %ss)\n\n```\n' "$title" "$rc" "$SECONDS" "$limit"
+    tail -60 "$out/stage.log"; echo '```'; } >> "$summary"
+  echo "== rc $rc after ${SECONDS}s"
+}
+# append FILE...: markdown files written by a stage, into the summary.
+append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
+
+stage 100 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
+  parity_tests/test_torch_hf.py -m gpu -q -x -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml"
+stage 60 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+  --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
+append "$out/host_overhead_torch_profile.txt"
+stage 40 "one layer (CUDA-graph replay and eager)" $py -m benchmarks.layer_torch --check \
+  --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 --out "$out/torch_layer.json"
+append "$out/torch_layer.md"
+stage 145 "BERT-base b32" $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 135 \
+  --variants torch-dense torch-sebp torch-sebp-plan torch-bound
+append "$out/bert_torch.md"
+stage 135 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 125 \
+  --workloads piqa obqa full_length --variants torch-dense torch-sebp torch-sebp-plan torch-bound
+append "$out/llama_b1_torch.md"
+stage 40 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
+  --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp torch-sebp-plan
+append "$out/profile_torch_bert_b32_glue_sst2.md"
+stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
+  "$out/bert_torch.json" "$out/llama_b1_torch.json"
+rm -f "$out/stage.log"

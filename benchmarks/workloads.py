@@ -24,7 +24,9 @@ Variants (:data:`VARIANTS`)
   (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA, the dense backward chosen per step from the
   batch's real-token fraction with :func:`sebp_torch_ref.dense_backward`), ``torch-bound``
   (:func:`benchmarks.torch_bound.free_linear_backward_`: every ``nn.Linear`` backward free, ``dY``
-  still read once, as ``jax-bound``) and ``torch-sebp-topn`` (the paper's fixed Top-N,
+  still read once, as ``jax-bound``), ``torch-sebp-plan`` (``torch-sebp`` under
+  :func:`sebp_torch_ref.row_plan` of the batch's attention mask: no layer selects its rows) and
+  ``torch-sebp-topn`` (the paper's fixed Top-N,
   ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
   ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
@@ -93,7 +95,7 @@ __all__ = [
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
   "versions_text", "single_workload_parser", "prepared_workload", "TORCH_CROSSOVER",
-  "torch_variant_model", "torch_dense_steps",
+  "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -251,6 +253,7 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-bound", "jax", "bound"),
   Variant("torch-dense", "torch", "dense"),
   Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
+  Variant("torch-sebp-plan", "torch", "triton", rows=True),
   Variant("torch-bound", "torch", "bound"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
   # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
@@ -649,18 +652,29 @@ class _TorchClock:
 TORCH_CROSSOVER = 0.5  # torch-sebp runs the dense backward for batches with more real tokens
 
 
-def _torch_marks(model, optimizer, clock: _TorchClock, batches: Sequence[dict],
+def torch_forward_context(variant: Variant, batch: dict, dense: bool) -> contextlib.ExitStack:
+  """What a torch variant's forward runs under: :func:`sebp_torch_ref.dense_backward` of the
+  step's crossover ``dense``, and for ``rows`` variants :func:`sebp_torch_ref.row_plan` of the
+  device batch's attention mask."""
+  from sebp_torch_ref import dense_backward, row_plan
+
+  context = contextlib.ExitStack()
+  context.enter_context(dense_backward(dense))
+  if variant.rows:
+    context.enter_context(row_plan(batch["attention_mask"]))
+  return context
+
+
+def _torch_marks(model, optimizer, clock: _TorchClock, variant: Variant, batches: Sequence[dict],
                  dense_steps: Sequence[bool]) -> list[tuple]:
   """Runs one training step per batch; returns its (start, forward done, backward done, end).
 
-  ``dense_steps``: per batch, whether its forward records the dense backward
-  (:func:`sebp_torch_ref.dense_backward`, decided on the host: no device read)."""
-  from sebp_torch_ref import dense_backward
-
+  ``dense_steps``: per batch, whether its forward records the dense backward (decided on the
+  host: no device read); see :func:`torch_forward_context`."""
   marks = []
   for batch, dense in zip(batches, dense_steps):
     t0 = clock.mark()
-    with dense_backward(dense):
+    with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
     t1 = clock.mark()
     loss.backward()
@@ -735,7 +749,7 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
         if device == "cuda":
           torch.cuda.synchronize()
           torch.cuda.reset_peak_memory_stats()
-        timed = _torch_marks(model, optimizer, clock, device_batches, dense_steps)[settings.warmup:]
+        timed = _torch_marks(model, optimizer, clock, variant, device_batches, dense_steps)[settings.warmup:]
         if device == "cuda":
           torch.cuda.synchronize()
           row.peak_mem_bytes = torch.cuda.max_memory_allocated()

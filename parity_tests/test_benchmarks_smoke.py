@@ -219,13 +219,33 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
   variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
-              "torch-bound"}
+              "torch-sebp-plan", "torch-bound"}
   # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
                 "torch-sebp-topn")
   _check_schema(result, variants, {4})
   dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
+
+
+def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
+  """The torch host-overhead benchmark end to end on CPU: every path at tiny sizes with Triton
+  interpreted (host times only), its table and the Triton path's cProfile."""
+  pytest.importorskip("triton")
+  from benchmarks.host_overhead_torch import PATHS
+
+  env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+  out, profile = tmp_path / "host.json", tmp_path / "profile.txt"
+  done = subprocess.run(
+    [sys.executable, "-m", "benchmarks.host_overhead_torch", "--tiny", "--out", str(out),
+     "--profile", str(profile)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert [r["path"] for r in result["rows"]] == list(PATHS) and result["layers"] == 3
+  assert all(r["bwd_host_us"] > 0 and r["fwd_host_us"] > 0 and r["bwd_gpu_us"] is None
+             for r in result["rows"])
+  assert "| triton+plan |" in done.stdout and "sebp_grads" in profile.read_text()
 
 
 @pytest.mark.slow

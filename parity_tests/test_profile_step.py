@@ -31,7 +31,7 @@ from benchmarks import profile_step  # noqa: E402
   ("loop_multiply_fusion_12", profile_step.OTHER),
   ("input_reduce_fusion_3", profile_step.OTHER),
   # The torch side (benchmarks.profile_torch): the reference's Triton kernels and torch's own.
-  ("_dx_kernel", "SEBP dX"),
+  ("_grads_kernel", "SEBP dX + dW (one launch)"),
   ("_split_sum_kernel", "SEBP dW"),
   ("_compact_kernel", "SEBP partition"),
   ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention (cuDNN)"),

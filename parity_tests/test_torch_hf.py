@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 transformers = pytest.importorskip("transformers")
 
-from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp  # noqa: E402
+from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp, row_plan  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 97, 32, 2, 4, 48
@@ -106,6 +106,28 @@ def test_exact_policy_gradients_equal_unpatched(name, checkpointing):
         assert (want[key] is None) == (got[key] is None), key
         if want[key] is not None:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_row_plan_of_the_attention_mask_is_exact(name):
+    """Under ``row_plan(attention_mask, check=True)`` (every layer checks that its padded rows of
+    ``dY`` are zero) the gradients equal the unpatched model's, with both padding sides."""
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    patched = copy.deepcopy(model)
+    apply_sebp(patched, impl="torch")
+    ids, mask = make_batch(name, "cpu", seed=3)
+    want = grads_of(model, ids, mask)
+    patched.zero_grad(set_to_none=True)
+    with row_plan(mask, check=True) as plan:
+        loss = loss_fn(patched, ids, mask)
+    loss.backward()
+    assert plan._rows is not None  # some layer used the plan
+    for key, value in want.items():
+        got = dict(patched.named_parameters())[key].grad
+        assert (value is None) == (got is None), key
+        if value is not None:
+            torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_patched_backward_skips_padded_rows():

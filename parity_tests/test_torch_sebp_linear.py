@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from sebp_torch_ref import RowPolicy, apply_sebp, dense_backward, sebp_linear
+from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp, dense_backward, row_plan, sebp_linear
 from sebp_torch_ref.policy import keep_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -229,14 +229,38 @@ def test_frozen_weight_and_input(impl, device):
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
-def test_triton_reads_wide_gradients_through_the_permutation(policy, pattern, device, monkeypatch):
-    """Gradients too wide to copy (an LM head's) are read in place through ``perm``."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_reads_wide_gradients_through_the_permutation(dtype, policy, pattern, device, monkeypatch):
+    """With a gradient too wide to copy (an LM head's), dY and X are read in place through
+    ``perm``."""
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
 
     monkeypatch.setattr(kernels, "_MAX_COPIED_COLUMNS", OUT_FEATURES - 1)
-    dy = make_output_grad(pattern, (3, 13), _generator("wide", pattern, str(policy)))
-    run_and_compare("triton", device, torch.bfloat16, policy, dy)
+    gen = _generator("wide", pattern, str(policy))
+    dy = make_output_grad(pattern, (3, 13), gen)
+    # X is read in place too, with its own strides: a transposed view (float32 only: on CPU,
+    # torch's bfloat16 forward of a transposed view differs in the last bit from the reshaped one).
+    x = torch.randn(13, 3, IN_FEATURES, generator=gen).to(device, dtype).requires_grad_()
+    x = x.transpose(0, 1) if dtype == torch.float32 else x.detach().transpose(0, 1).contiguous().requires_grad_()
+    run_and_compare("triton", device, dtype, policy, dy, x=x)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_triton_bias_gradient_sums_every_row(rows, device):
+    """db adds the row blocks' partial sums, a chunk of columns per program: with few rows and
+    many columns one program takes several chunks. Dropped rows and NaN count (db is unmasked)."""
+    _skip_unavailable("triton", device)
+    gen = _generator("db", rows)
+    dy = torch.randn(rows, 300, generator=gen)
+    dy[rows // 2] = 0  # a dropped row
+    dy[-1, 7] = math.nan
+    x = torch.randn(rows, 20, generator=gen).to(device)
+    weight = torch.randn(300, 20, generator=gen).to(device).requires_grad_()
+    bias = torch.randn(300, generator=gen).to(device).requires_grad_()
+    (db,) = torch.autograd.grad(sebp_linear(x, weight, bias, impl="triton"), (bias,), dy.to(device))
+    torch.testing.assert_close(db.cpu().double(), dy.double().sum(0), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
@@ -292,10 +316,11 @@ class _HostReads:
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
-@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=7)], ids=str)
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=7), "row_plan"], ids=str)
 def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
     """The default CUDA path never waits for the device: no ``.item()``, ``.cpu()``, ``nonzero``,
-    no tensor turned into a Python value; on CUDA also under ``set_sync_debug_mode("error")``."""
+    no tensor turned into a Python value; on CUDA also under ``set_sync_debug_mode("error")``.
+    ``"row_plan"``: the exact policy under a row plan of the padding mask."""
     _skip_unavailable("triton", device)
     if device == "cuda" and policy.max_rows is not None:
         # Seen on an H100 (2026-11-26, torch 2.11): the sync-debug mode flags a device sync in
@@ -303,6 +328,10 @@ def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
         pytest.xfail("the Top-N (max_rows) selection still synchronises on CUDA")
     gen = _generator("host-reads", str(policy))
     dy = make_output_grad("right_pad", (3, 13), gen).to(device)
+    planned = policy == "row_plan"
+    if planned:
+        policy = RowPolicy()
+    plan = row_plan(dy.abs().amax(-1) > 0) if planned else contextlib.nullcontext()
     x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device).requires_grad_()
     weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device).requires_grad_()
     bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
@@ -314,7 +343,8 @@ def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
         sync_check = _sync_debug_mode("error")
     host_reads = _HostReads(monkeypatch)
     with sync_check:
-        y = sebp_linear(x, weight, bias, policy=policy, impl="triton")
+        with plan:
+            y = sebp_linear(x, weight, bias, policy=policy, impl="triton")
         grads = torch.autograd.grad(y, (x, weight, bias), dy)
     monkeypatch.undo()
     assert host_reads.reads == []
@@ -452,6 +482,138 @@ def test_torch_compile_of_surrounding_model(backend, device, impl):
         torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol)
 
 
+# ----------------------------------------------------------------------------- row plans
+
+PLAN_PATTERNS = ["right_pad", "all_zero", "all_real", "nonfinite"]
+
+
+def _plan_case(pattern: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``(3, 13)`` mask and a ``(3, 13, N)`` float32 gradient that is non-zero on rows outside
+    the mask too (so a backward that scored ``dY`` instead of taking the plan would differ)."""
+    lengths = torch.tensor([3, 13, 0])
+    mask = torch.arange(13)[None, :] < lengths[:, None]
+    if pattern == "all_zero":
+        mask = torch.zeros_like(mask)
+    elif pattern == "all_real":
+        mask = torch.ones_like(mask)
+    dy = torch.randn(3, 13, OUT_FEATURES, generator=gen)
+    if pattern == "nonfinite":  # one NaN row and one Inf row inside the mask, one NaN row outside
+        dy[1, 4, 0], dy[0, 1, 7], dy[2, 5, 3] = math.nan, -math.inf, math.nan
+    return mask, dy
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64], ids=str)
+@pytest.mark.parametrize("pattern", PLAN_PATTERNS)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_row_plan_keeps_the_mask_rows(impl, pattern, mask_dtype, dtype, device):
+    """Under a plan, dX and dW are the dense backward of ``dY * mask``, whatever ``dY`` holds
+    outside the mask (non-zero, NaN); db is still the full column sum."""
+    _skip_unavailable(impl, device)
+    gen = _generator("plan", impl, pattern, dtype)
+    mask, dy = _plan_case(pattern, gen)
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device, dtype).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device, dtype).requires_grad_()
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device, dtype).requires_grad_()
+    dy = dy.to(device, dtype)
+    with row_plan(mask.to(device, mask_dtype)):
+        y = sebp_linear(x, weight, bias, impl=impl)
+    grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    expected = reference_grads(x.cpu(), weight.cpu(), bias, dy.cpu(), mask.reshape(-1))
+    for got, want in zip(grads, expected):
+        assert_grad_close(got.cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_row_plan_other_leading_dims_score_dy(impl, device):
+    """A layer whose leading dims are not the mask's (a pooler on ``(batch, hidden)``) ignores the
+    plan and keeps the non-zero rows of its own ``dY``, in the same forward as a planned layer."""
+    _skip_unavailable(impl, device)
+    gen = _generator("plan-fallback", impl)
+    mask, dy = _plan_case("right_pad", gen)
+    tokens = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    pooled = torch.randn(3, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    dy_pooled = torch.randn(3, OUT_FEATURES, generator=gen)
+    dy_pooled[1] = 0
+    with row_plan(mask.to(device)):
+        y_tokens = sebp_linear(tokens, weight, impl=impl)
+        y_pooled = sebp_linear(pooled, weight, impl=impl)
+    got_tokens, got_pooled, _ = torch.autograd.grad(
+        (y_tokens, y_pooled), (tokens, pooled, weight), (dy.to(device), dy_pooled.to(device)))
+    want_tokens = reference_grads(tokens.cpu(), weight.cpu(), None, dy, mask.reshape(-1))[0]
+    want_pooled = reference_grads(pooled.cpu(), weight.cpu(), None, dy_pooled, dy_pooled.abs().amax(-1) > 0)[0]
+    assert_grad_close(got_tokens.cpu(), want_tokens, torch.float32)
+    assert_grad_close(got_pooled.cpu(), want_pooled, torch.float32)
+
+
+@pytest.mark.parametrize("outside", ["zero", "nonzero", "nan"])
+@pytest.mark.parametrize("impl", ["torch", "dense"])
+def test_row_plan_check_names_the_layer(impl, outside):
+    """``check=True`` raises, naming the layer, when a row outside the mask is non-zero or
+    non-finite, and passes when every such row is zero; a dense step is not planned."""
+    gen = _generator("plan-check", impl, outside)
+    mask, dy = _plan_case("right_pad", gen)
+    dy[~mask] = 0
+    if outside == "nonzero":
+        dy[0, 7, 2] = 1e-30
+    elif outside == "nan":
+        dy[2, 0, 0] = math.nan
+    model = torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, OUT_FEATURES))
+    apply_sebp(model, impl=impl)
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen)
+    with row_plan(mask, check=True):
+        y = model(x)
+    if outside == "zero" or impl == "dense":
+        y.backward(dy)
+        return
+    with pytest.raises(ValueError, match=r"layer 0 has 1 output-gradient row\(s\) outside the plan"):
+        y.backward(dy)
+
+
+def test_row_plan_records_in_the_forward_and_computes_rows_once():
+    """The forward records the plan (``backward()`` may sit outside the block); every layer's
+    backward shares the one permutation, made at the first backward that needs it."""
+    gen = _generator("plan-once")
+    mask, dy = _plan_case("right_pad", gen)
+    layers = [SEBPLinear(IN_FEATURES, IN_FEATURES, impl="torch") for _ in range(2)]
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen)
+    with row_plan(mask) as plan:
+        y = layers[1](layers[0](x))
+    assert plan._rows is None
+    dy = torch.randn(3, 13, IN_FEATURES, generator=gen)
+    y.backward(dy)
+    perm, count = plan._rows
+    assert int(count) == int(mask.sum()) and perm[: int(count)].tolist() == mask.reshape(-1).nonzero().flatten().tolist()
+    x2 = x.clone().requires_grad_()
+    sebp_linear(x2, layers[0].weight, impl="torch").backward(torch.randn(3, 13, IN_FEATURES, generator=gen))
+    assert plan._rows[0] is perm  # outside the block nothing is planned, and the plan is unchanged
+
+
+@pytest.mark.parametrize(
+    "mask, kwargs, error, name",
+    [
+        ([[1, 0]], {}, TypeError, "mask"),
+        (torch.ones(2, 3), {}, TypeError, "mask"),
+        (torch.tensor(1), {}, ValueError, "mask"),
+        (torch.ones(2, 3, dtype=torch.bool), {"check": 1}, TypeError, "check"),
+    ],
+)
+def test_row_plan_bad_arguments(mask, kwargs, error, name):
+    with pytest.raises(error, match=f"`{name}`"):
+        with row_plan(mask, **kwargs):
+            pass
+
+
+def test_row_plan_refuses_a_non_exact_policy():
+    x = torch.randn(2, 3, IN_FEATURES)
+    with pytest.raises(ValueError, match="exact"):
+        with row_plan(torch.ones(2, 3, dtype=torch.bool)):
+            sebp_linear(x, torch.randn(OUT_FEATURES, IN_FEATURES), policy=RowPolicy(threshold=0.1), impl="torch")
+
+
 @pytest.mark.parametrize(
     "args, kwargs, error, name",
     [
@@ -464,6 +626,7 @@ def test_torch_compile_of_surrounding_model(backend, device, impl):
         ((torch.randn(2, 5), torch.randn(3, 5, dtype=torch.float64)), {}, TypeError, "weight"),
         ((torch.randn(2, 5), torch.randn(3, 5)), {"impl": "cuda"}, ValueError, "impl"),
         ((torch.randn(2, 5), torch.randn(3, 5)), {"policy": 0.1}, TypeError, "policy"),
+        ((torch.randn(2, 5), torch.randn(3, 5)), {"name": 3}, TypeError, "name"),
     ],
 )
 def test_bad_arguments(args, kwargs, error, name):

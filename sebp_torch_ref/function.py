@@ -14,7 +14,8 @@ backward of the masked gradient ``dY * keep[:, None]``; ``db`` is always the ful
 
 The dense crossover is decided once per step on the host, from what the data loader knows about
 the batch (:func:`dense_backward`), never from a device value: with most rows real, the plain
-backward (cuBLAS) is faster than any row selection.
+backward (cuBLAS) is faster than any row selection. A row plan (:func:`~sebp_torch_ref.row_plan`)
+hands every layer its kept rows once per step instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
+from .plan import current_plan
 from .policy import RowPolicy, active_first_permutation, keep_mask
 
 __all__ = ["IMPLS", "dense_backward", "sebp_linear"]
@@ -66,13 +68,11 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def _masked_grads(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, policy: RowPolicy, impl: str,
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
     need_x: bool, need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dX (M, K)`` and ``dW (N, K)`` of the masked gradient, each only if needed."""
-    if impl == "dense":
-        return (dy @ weight if need_x else None), (dy.t() @ x if need_w else None)
-    perm, count = active_first_permutation(keep_mask(dy, policy))
+    """``dX (M, K)`` and ``dW (N, K)`` of the gradient masked to rows ``perm[:count]``, each only
+    if needed (index ops; reads ``count`` on the host)."""
     kept = perm[: int(count.item())].long()
     dy_kept = dy.index_select(0, kept)
     dx = dw = None
@@ -101,12 +101,11 @@ class _SEBPLinearFunction(torch.autograd.Function):
     """``Y = X W^T + b`` on 2-D ``X``; see :func:`sebp_linear`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, policy, impl):
+    def forward(ctx, x, weight, bias, policy, impl, plan, name):
         need_x, need_w = ctx.needs_input_grad[:2]
         # dX needs only W and dW only X: save nothing the backward will not read (frozen weights).
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
-        ctx.policy = policy
-        ctx.impl = impl
+        ctx.policy, ctx.impl, ctx.plan, ctx.name = policy, impl, plan, name
         ctx.dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
@@ -117,30 +116,55 @@ class _SEBPLinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
         dy = dy.to(ctx.dtype)
+        plan = ctx.plan
+        if plan is not None and plan.check:
+            plan.check_covers(dy, ctx.name)
         if ctx.impl == "triton":
             from . import kernels  # Triton is needed only here (and may be absent elsewhere).
 
-            # One read of dY gives the row selection and db's partial sums.
-            dx, dw, db = kernels.sebp_grads(
-                dy, x if need_w else None, weight if need_x else None, ctx.policy,
-                ctx.bias_dtype if need_b else None,
-            )
-            return dx, dw, db, None, None
-        db = dy.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype) if need_b else None
+            if plan is None:
+                # One read of dY gives the row selection and db's partial sums.
+                dx, dw, db = kernels.sebp_grads(
+                    dy, x if need_w else None, weight if need_x else None, ctx.policy,
+                    ctx.bias_dtype if need_b else None,
+                )
+                return dx, dw, db, None, None, None, None
+        db = _bias_grad(dy, ctx.bias_dtype) if need_b else None
         dx = dw = None
-        if need_x or need_w:
-            dx, dw = _masked_grads(dy, x, weight, ctx.policy, ctx.impl, need_x, need_w)
-        return dx, dw, db, None, None
+        if ctx.impl == "dense":
+            dx = dy @ weight if need_x else None
+            dw = dy.t() @ x if need_w else None
+        elif (need_x or need_w) and ctx.impl == "triton":
+            # The plan's rows, read in place through its permutation: one GEMM launch.
+            dx, dw = kernels.sebp_gemms(
+                dy, weight if need_x else None, x if need_w else None, *plan.rows("triton"), ctx.dtype,
+                compacted=False,
+            )
+        elif need_x or need_w:
+            perm, count = (active_first_permutation(keep_mask(dy, ctx.policy)) if plan is None
+                           else plan.rows("torch"))
+            dx, dw = _masked_grads(dy, x, weight, perm, count, need_x, need_w)
+        return dx, dw, db, None, None, None, None
 
 
-def _check_args(x, weight, bias, policy, impl) -> None:
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None and name == "bias":
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``db``: the full column sum of ``dy``, accumulated in float32. torch sums 16-bit floats in
+    float32 already, so where ``db`` has ``dy``'s dtype this is one launch."""
+    if dtype == dy.dtype:
+        return dy.sum(dim=0)
+    return dy.sum(dim=0, dtype=torch.float32).to(dtype)
+
+
+def _check_args(x, weight, bias, policy, impl, name) -> None:
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"sebp_linear: `name` must be a str or None, got {type(name).__name__}.")
+    for arg, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and arg == "bias":
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"sebp_linear: `{name}` must be a torch.Tensor, got {type(t).__name__}.")
+            raise TypeError(f"sebp_linear: `{arg}` must be a torch.Tensor, got {type(t).__name__}.")
         if not t.is_floating_point():
-            raise TypeError(f"sebp_linear: `{name}` must have a floating dtype, got {t.dtype}.")
+            raise TypeError(f"sebp_linear: `{arg}` must have a floating dtype, got {t.dtype}.")
     if not isinstance(policy, RowPolicy):
         raise TypeError(f"sebp_linear: `policy` must be a RowPolicy, got {type(policy).__name__}.")
     if impl not in IMPLS:
@@ -156,9 +180,9 @@ def _check_args(x, weight, bias, policy, impl) -> None:
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"sebp_linear: `bias` must have shape ({weight.shape[0]},), got {tuple(bias.shape)}.")
-    for name, t in (("weight", weight), ("bias", bias)):
+    for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"sebp_linear: `{name}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
+            raise TypeError(f"sebp_linear: `{arg}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
 
 
 # The Triton launches and the autograd.Function run eagerly: a graph break under torch.compile.
@@ -170,6 +194,7 @@ def sebp_linear(
     *,
     policy: RowPolicy = RowPolicy(),
     impl: str = "auto",
+    name: str | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward runs on the rows of ``dY`` the policy keeps.
 
@@ -179,6 +204,8 @@ def sebp_linear(
         bias: optional ``(N,)`` bias.
         policy: which rows of ``dY`` the backward keeps (:class:`RowPolicy`; default exact).
         impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"dense"`` (see the module docstring).
+        name: the layer's name in errors (a :func:`~sebp_torch_ref.row_plan` check); ``None``
+            names it by its shape.
 
     Returns:
         ``(..., N)`` output, equal to ``F.linear(x, weight, bias)``. In the backward, ``dX`` and
@@ -187,14 +214,31 @@ def sebp_linear(
         for inputs that require them (no ``dW`` for a frozen weight).
 
     Under autocast the inputs are cast to the autocast dtype first, as autocast does for
-    ``F.linear``, so float32 master weights get float32 gradients.
+    ``F.linear``, so float32 master weights get float32 gradients. Inside
+    :func:`~sebp_torch_ref.row_plan`, a layer whose leading dims are the mask's keeps the mask's
+    rows instead of scoring ``dY`` (exact policy only).
     """
-    _check_args(x, weight, bias, policy, impl)
+    if torch.compiler.is_compiling():
+        return _sebp_linear_graph_break(x, weight, bias, policy, impl, name)
+    return _sebp_linear(x, weight, bias, policy, impl, name)
+
+
+def _sebp_linear(x, weight, bias, policy, impl, name) -> torch.Tensor:
+    _check_args(x, weight, bias, policy, impl, name)
     impl = "dense" if _DENSE_BACKWARD.get() else _resolve_impl(impl, x.device)
     if impl == "triton":
         from . import kernels
 
         kernels.check_device(x)  # Fail at the call, not deep inside the backward.
+    plan = None if impl == "dense" else current_plan(x)
+    if plan is not None:
+        # Named here, not per call: only a planned layer's errors need the name.
+        name = name or f"sebp_linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
+        plan.check_device(x, name)
+        if not policy.is_exact:
+            raise ValueError(f"row_plan: layer {name} has the non-exact policy {policy}; a row plan "
+                             f"keeps the mask's rows, so it needs the exact RowPolicy() (or leave the "
+                             f"layer out).")
     device_type = x.device.type
     autocast = contextlib.nullcontext()
     if torch.is_autocast_enabled(device_type):
@@ -206,5 +250,10 @@ def sebp_linear(
         bias = None if bias is None else bias.to(dtype)
         autocast = torch.autocast(device_type, enabled=False)
     with autocast:
-        y2d = _SEBPLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, policy, impl)
+        y2d = _SEBPLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, policy, impl, plan, name)
     return y2d.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# Under torch.compile the layer is a graph break: the Triton launches and the autograd Function run
+# eagerly. Only there: wrapping sebp_linear itself would cost every eager call the wrapper's time.
+_sebp_linear_graph_break = torch.compiler.disable(_sebp_linear)

@@ -1,7 +1,7 @@
 """Triton kernels of the SEBP backward: compact the kept rows first, then GEMMs on contiguous rows.
 
-One backward (:func:`sebp_grads`) is four launches, five where dW is split, and no host
-synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
+One backward (:func:`sebp_grads`) is three Triton launches (and a memset where dW is split) and
+no host synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
 the shapes alone (for all ``M`` rows); a program whose rows lie past ``count`` returns at once, as
 in vLLM's fused-MoE kernels, so the work follows ``count`` while the launches stay static and the
 whole backward can be captured in a CUDA graph.
@@ -12,21 +12,30 @@ whole backward can be captured in a CUDA graph.
    ``max_rows`` policies rank rows with torch ops first and pass the flags in.
 2. **compact** (the same grid): each block adds up the counts of the blocks before it, writes its
    rows' places in the active-first permutation ``perm`` (kept rows first, each part in row
-   order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers.
-3. **dX** ``(M, K) = dY (M, N) @ W (N, K)``: a grid over (column blocks of K, row blocks of the
-   compacted prefix). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by ``W``
-   (read through ``perm`` instead where ``dY`` is too wide to copy: an LM head's vocabulary)
-   and scatters the result to rows ``perm[...]`` of ``dX``; a block past ``count`` stores zeros to
-   the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset, no atomics).
-4. **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: a grid over output tiles times
-   ``split`` slices of the rows. ``split`` is sized on the host from the tile count and the number
-   of SMs (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
-   ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
-   return at once. With ``split > 1`` the slices write float32 partial sums and a fifth launch adds
-   the used ones (a fixed order: results do not depend on scheduling).
+   order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers;
+   the first programs also add up ``db``'s partial sums, a chunk of columns each.
+3. **GEMMs**, one launch whose first programs compute dW and the rest dX, so that with few kept
+   rows the two small products share the GPU instead of running one after the other:
+
+   * **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: output tiles times ``split``
+     slices of the rows. ``split`` is sized on the host from the tile count and the number of SMs
+     (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
+     ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
+     return at once. With ``split > 1`` the slices store float32 partial sums and count their
+     arrival on the tile (an atomic on a zeroed counter); the last to arrive adds the used
+     slices up in slice order (deterministic: results do not depend on scheduling) and stores
+     the tile, so the split costs no second launch, the way stream-K GEMMs fix up their tiles.
+   * **dX** ``(M, K) = dY (M, N) @ W (N, K)``: tiles over (row blocks of the compacted prefix,
+     column blocks of K). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by
+     ``W`` and stores the result at rows ``perm[...]`` of ``dX``; a block past ``count`` stores
+     zeros to the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset,
+     no atomics).
+
+   ``dY`` and ``X`` are read through ``perm`` instead of copied where ``dY`` is as wide as a
+   vocabulary (an LM head's), whose copy would be as large as the logits.
 
 Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
-products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-kernel, per-dtype
+products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
 tables with a per-shape rule (:func:`default_config`).
 
 The kernels also run on CPU under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
@@ -35,6 +44,7 @@ before Triton is first imported.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -45,7 +55,7 @@ import triton.language as tl
 from .policy import RowPolicy, keep_mask
 
 __all__ = [
-    "check_device", "default_config", "interpreter_enabled", "sebp_dw", "sebp_dx", "sebp_grads",
+    "check_device", "default_config", "interpreter_enabled", "permutation_of", "sebp_gemms", "sebp_grads",
     "select_rows",
 ]
 
@@ -53,6 +63,11 @@ __all__ = [
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton picks the interpreter when it decorates a kernel, i.e. when this module is imported: the
+# launches follow that choice, not the variable's value at call time (and read no environment).
+_INTERPRET = interpreter_enabled()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -107,13 +122,15 @@ def _copy_rows(src_ptr, dst_ptr, rows, dest, kept, width, stride_m, stride_k, BL
 @triton.jit
 def _compact_kernel(
     keep_ptr, block_counts_ptr, perm_ptr, count_ptr,
-    dy_ptr, x_ptr, dy_kept_ptr, x_kept_ptr,
+    dy_ptr, x_ptr, dy_kept_ptr, x_kept_ptr, db_partial_ptr, db_ptr,
     M, N, K, num_blocks,
     stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_COPY: tl.constexpr, COUNTS_CHUNK: tl.constexpr,
     COPY_DY: tl.constexpr, COPY_X: tl.constexpr,
+    WITH_DB: tl.constexpr, BLOCK_DB: tl.constexpr, DB_BLOCKS: tl.constexpr,
 ):
-    """perm and count from the blocks' counts; the kept rows of dY and X copied to their slots."""
+    """perm and count from the blocks' counts; the kept rows of dY and X copied to their slots;
+    ``db`` from the blocks' partial column sums."""
     pid = tl.program_id(0)
     # Kept rows in all blocks and in the blocks before this one (a few hundred int32: every
     # program reads them all rather than waiting on a separate scan).
@@ -139,32 +156,53 @@ def _compact_kernel(
         _copy_rows(dy_ptr, dy_kept_ptr, rows, dest, kept, N, stride_dym, stride_dyn, BLOCK_COPY)
     if COPY_X:
         _copy_rows(x_ptr, x_kept_ptr, rows, dest, kept, K, stride_xm, stride_xk, BLOCK_COPY)
+    if WITH_DB:
+        # A chunk of BLOCK_DB columns per program (programs take chunks pid, pid + num_blocks, ...):
+        # the blocks' partial sums added in block order, so db does not depend on scheduling.
+        for chunk in range(pid, tl.cdiv(N, BLOCK_DB), num_blocks):
+            cols = chunk * BLOCK_DB + tl.arange(0, BLOCK_DB)
+            acc = tl.zeros((BLOCK_DB,), dtype=tl.float32)
+            for b0 in range(0, num_blocks, DB_BLOCKS):
+                blocks = b0 + tl.arange(0, DB_BLOCKS)
+                partial = tl.load(
+                    db_partial_ptr + blocks[:, None] * N + cols[None, :],
+                    mask=(blocks[:, None] < num_blocks) & (cols[None, :] < N),
+                    other=0.0,
+                )
+                acc += tl.sum(partial, axis=0)
+            tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _dx_kernel(
-    dy_ptr, w_ptr, perm_ptr, count_ptr, dx_ptr,
-    M, N, K,
+def _source_rows(perm_ptr, slots, kept, GATHER: tl.constexpr):
+    """Rows of ``dy`` and ``x`` holding slots ``slots``: ``perm[slot]`` in the full tensors
+    (``GATHER``), else ``slot`` in the compacted copies."""
+    if GATHER:
+        rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
+    else:
+        rows = slots.to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _dx_tile(
+    pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``GATHER_DY``: ``dy`` is the full gradient, read at rows ``perm[slot]``; otherwise it is
-    the compacted copy, read at row ``slot``."""
-    # K blocks vary fastest so that programs sharing a block of dY rows run together.
-    pid_k = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    count = tl.load(count_ptr)
+    """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
+    perm[slot] of dX; zeros for the slots past ``count`` (dropped rows)."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
+    pid_m = pid // tiles_k
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if pid_m * BLOCK_M < count:
         kept = slots < count
-        if GATHER_DY:
-            dy_rows = dy_ptr + rows[:, None] * stride_dym
-        else:
-            dy_rows = dy_ptr + slots[:, None].to(tl.int64) * stride_dym
+        dy_rows = dy_ptr + _source_rows(perm_ptr, slots, kept, GATHER)[:, None] * stride_dym
         for n0 in range(0, N, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
@@ -193,79 +231,114 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _dw_kernel(
-    dy_ptr, x_kept_ptr, perm_ptr, count_ptr, out_ptr,
-    N, K, stride_dym, stride_dyn, stride_split,
+def _dw_tile(
+    pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    GATHER_DY: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``GATHER_DY`` as in ``_dx_kernel``; ``x_kept`` is always the compacted copy."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    count = tl.load(count_ptr)
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows.
+
+    With one slice in use the tile goes straight to dW (zeros if no row is kept). With several,
+    each slice stores its float32 partial sum and counts its arrival on the tile; the last to
+    arrive adds the used slices up in slice order (deterministic, whichever slice that is) and
+    stores the tile, so the split costs no second launch.
+    """
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles = tiles_k * tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_s = pid // tiles
     per_split, used = _split_rows(count, BLOCK_M, SPLIT)
-    # With one slice the output is dW itself and every tile is stored (zeros if no row is kept).
-    if (pid_s < used) | (SPLIT == 1):
+    if pid_s < tl.maximum(used, 1):
         start = pid_s * per_split * BLOCK_M
         end = tl.minimum(count, start + per_split * BLOCK_M)
-        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        ns = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offsets = ns[:, None] * K + ks[None, :]
+        in_tile = (ns[:, None] < N) & (ks[None, :] < K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
-            slots = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            slots = m0 + tl.arange(0, BLOCK_M)
             kept = slots < end
-            if GATHER_DY:
-                dy_rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
-            else:
-                dy_rows = slots
+            rows = _source_rows(perm_ptr, slots, kept, GATHER)
             dy = tl.load(
-                dy_ptr + dy_rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
+                dy_ptr + rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
                 mask=kept[:, None] & (ns[None, :] < N),
                 other=0.0,
             )
             x = tl.load(
-                x_kept_ptr + slots[:, None] * K + ks[None, :],
+                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=kept[:, None] & (ks[None, :] < K),
                 other=0.0,
             )
             if UPCAST:
                 dy, x = dy.to(tl.float32), x.to(tl.float32)
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
-        tl.store(
-            out_ptr + pid_s * stride_split + ns[:, None] * K + ks[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=(ns[:, None] < N) & (ks[None, :] < K),
-        )
+        if used <= 1:
+            tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+        else:
+            # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
+            slice_size = N * K
+            tl.store(partial_ptr + pid_s * slice_size + offsets, acc, mask=in_tile)
+            # Every thread's partial is stored before the arrival is counted (the atomic releases
+            # them to the GPU, and acquires the other slices' for the last one).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+            if arrived == used - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for s in range(0, used):
+                    # .cg: read at L2, where the other slices' stores are, not through L1.
+                    total += tl.load(partial_ptr + s * slice_size + offsets, mask=in_tile, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(dw_ptr + offsets, total.to(dw_ptr.dtype.element_ty), mask=in_tile)
 
 
 @triton.jit
-def _split_sum_kernel(
-    partial_ptr, count_ptr, out_ptr, size,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+def _grads_kernel(
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
+    M, N, K, dw_programs,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
+    DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
+    DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out = the sum of the used slices of ``partial`` (SPLIT, size), in slice order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _, used = _split_rows(tl.load(count_ptr), BLOCK_M, SPLIT)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, used):
-        acc += tl.load(partial_ptr + s * size + offs, mask=offs < size, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < size)
+    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start), then
+    dX's. One launch, so that with few kept rows the two small GEMMs share the GPU."""
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    dx_pid = pid
+    if DO_DW:
+        dx_pid = pid - dw_programs
+        if pid < dw_programs:
+            _dw_tile(
+                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
+                stride_dym, stride_dyn, stride_xm, stride_xk,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST,
+            )
+    if DO_DX:
+        if dx_pid >= 0:
+            _dx_tile(
+                dx_pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+                stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST,
+            )
 
 
 # ----------------------------------------------------------------------------- tiles
 
-# Per kernel and operand width. BLOCK_M spans rows of dY, BLOCK_N its columns (out features),
-# BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over N, the dW tile is
-# (BLOCK_N, BLOCK_K) looping over the kept rows. "narrow" rows apply where the dX output has at
-# most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
+# Per operand width, the tiles of both GEMMs of the one launch. BLOCK_M spans rows of dY, BLOCK_N
+# its columns (out features), BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over
+# N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The "narrow" dX tile applies where
+# dX has at most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
 _TILES = {
-    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
-    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128),
+    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64),
+    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64),
 }
+_LAUNCH = {2: dict(num_warps=8, num_stages=3), 4: dict(num_warps=4, num_stages=3)}
 # Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
 # CPU tests fast while still splitting odd shapes into several partial blocks.
 _INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
@@ -275,31 +348,26 @@ _MAX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
 
 
-def default_config(kernel: str, dtype: torch.dtype, interpret: bool = False, out_columns: int | None = None) -> dict:
-    """Block sizes and launch options of ``kernel`` (``"dx"`` or ``"dw"``) for an operand dtype.
-
-    ``out_columns``: the dX kernel's ``K``, which picks the narrow tiles where it is small.
-    ``benchmarks/layer_torch.py --tune`` times alternatives.
+def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
+    """Tiles and launch options of the GEMM launch for an operand dtype: ``{"dx": tile, "dw":
+    tile, "launch": {num_warps, num_stages}}``. ``out_columns`` is dX's ``K``, which picks the
+    narrow dX tile where it is small. ``benchmarks/layer_torch.py --tune`` times alternatives.
     """
     if interpret:
-        return dict(_INTERPRETER_TILES)
-    if kernel == "dx" and out_columns is not None and out_columns <= 1024:
-        return dict(_TILES.get((kernel, dtype.itemsize, "narrow"), _TILES[kernel, dtype.itemsize]))
-    return dict(_TILES[kernel, dtype.itemsize])
+        return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
+    width = dtype.itemsize
+    narrow = ("dx", width, "narrow")
+    dx = _TILES[narrow] if out_columns <= 1024 and narrow in _TILES else _TILES["dx", width]
+    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _dw_split(tiles: int, row_blocks: int, device: torch.device, interpret: bool) -> int:
+def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
     """Row slices of dW: about two programs per SM over the output tiles, at most one per block."""
-    sms = _INTERPRETER_SMS if interpret else _multiprocessors(device)
+    sms = _INTERPRETER_SMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(_MAX_SPLIT, round(2 * sms / tiles), row_blocks))
 
 
-def _dot_options(dtype: torch.dtype, interpret: bool) -> dict:
+def _dot_options(dtype: torch.dtype) -> dict:
     """``tl.dot`` options: IEEE float32 products, and float32 operands under the interpreter.
 
     Triton's interpreter computes ``tl.dot`` on bfloat16 operands wrongly (seen with Triton 3.9),
@@ -307,62 +375,140 @@ def _dot_options(dtype: torch.dtype, interpret: bool) -> dict:
     the result is the same up to summation order, and every gather, mask and store is still the
     kernel's own.
     """
-    upcast = interpret and dtype != torch.float32
+    upcast = _INTERPRET and dtype != torch.float32
     return dict(INPUT_PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32", UPCAST=upcast)
 
 
-def check_device(*tensors: torch.Tensor) -> bool:
-    """Whether the interpreter runs a launch on ``tensors``; raises if neither CUDA nor it can."""
-    interpret = interpreter_enabled()
-    if not interpret and any(t.device.type != "cuda" for t in tensors):
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raises unless CUDA or the interpreter can run a launch on ``tensors``."""
+    if not _INTERPRET and any(t.device.type != "cuda" for t in tensors):
         raise ValueError(
             "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton is "
             f"imported to run the kernels on CPU; got tensors on {tensors[0].device}."
         )
-    return interpret
+
+
+# ----------------------------------------------------------------------------- launch plans
+
+# Everything about a launch that the shapes, dtype and device decide (tiles, grids, dW's split,
+# workspace layout, ``tl.dot`` options) is worked out once per shape and cached, so that a
+# backward's host work is a few allocations and the launches themselves: with a few launches of
+# small kernels per layer, host time per layer, not GPU time, is what BERT-base's step waits on.
+
+_ALIGN = 4  # int32 slots per 16 bytes: workspace slices start where Triton's pointer
+#             specialisation (16-byte alignment) expects them to
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelectPlan:
+    """The select and compact launches over ``M`` rows, and their int32 workspace: ``perm``
+    ``[0, M)``, ``count`` at ``count_at``, the blocks' counts at ``counts_at``, the int8 keep flags
+    packed four to a slot at ``keep_at``."""
+
+    grid: tuple[int]
+    num_blocks: int
+    select: dict  # constexprs and launch options of _select_kernel
+    compact: dict  # of _compact_kernel, but for COPY_DY / COPY_X / WITH_DB
+    count_at: int
+    counts_at: int
+    keep_at: int
+    size: int
+
+
+@functools.lru_cache(maxsize=None)
+def _select_plan(M: int) -> _SelectPlan:
+    tiles = dict(_INTERPRETER_SELECT_TILES if _INTERPRET else _SELECT_TILES)
+    num_blocks = triton.cdiv(M, tiles["BLOCK_M"])
+    compact = dict(
+        BLOCK_M=tiles["BLOCK_M"], BLOCK_COPY=64 if _INTERPRET else 256, COUNTS_CHUNK=64 if _INTERPRET else 1024,
+        BLOCK_DB=16 if _INTERPRET else 64, DB_BLOCKS=4 if _INTERPRET else 64, num_warps=4,
+    )
+    count_at = _aligned(M)
+    counts_at = count_at + _ALIGN
+    keep_at = _aligned(counts_at + num_blocks)
+    return _SelectPlan((num_blocks,), num_blocks, tiles, compact, count_at, counts_at, keep_at,
+                       keep_at + _aligned(triton.cdiv(M, 4)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmPlan:
+    """The GEMM launch for one shape."""
+
+    grid: tuple[int]
+    dw_programs: int
+    dw_tiles: int
+    split: int
+    gemm: dict  # constexprs and launch options of _grads_kernel
+
+
+def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _GemmPlan:
+    dx_tile, dw_tile = config["dx"], config["dw"]
+    dx_programs = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"]) if do_dx else 0
+    dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
+    split = _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), device) if do_dw else 1
+    dw_programs = dw_tiles * split if do_dw else 0
+    gemm = dict(
+        DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
+        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
+        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, GATHER=gather, **_dot_options(dtype), **config["launch"],
+    )
+    return _GemmPlan((dw_programs + dx_programs,), dw_programs, dw_tiles, split, gemm)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device) -> _GemmPlan:
+    """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
+    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, default_config(dtype, K, _INTERPRET))
 
 
 # ----------------------------------------------------------------------------- launches
 
-def _select(dy: torch.Tensor, policy: RowPolicy, with_db: bool, interpret: bool):
-    """``(keep int8 (M,), block_counts int32 (blocks,), db_partial float32 (blocks, N) | None,
-    BLOCK_M)`` of the select launch."""
-    M, N = dy.shape
-    tiles = dict(_INTERPRETER_SELECT_TILES if interpret else _SELECT_TILES)
-    num_blocks = triton.cdiv(M, tiles["BLOCK_M"])
-    keep_given = policy.max_rows is not None and policy.max_rows < M
-    if keep_given:
-        keep = keep_mask(dy, policy).view(torch.int8)
-    else:
-        keep = torch.empty(M, dtype=torch.int8, device=dy.device)
-    block_counts = torch.empty(num_blocks, dtype=torch.int32, device=dy.device)
-    db_partial = torch.empty((num_blocks, N), dtype=torch.float32, device=dy.device) if with_db else None
-    _select_kernel[(num_blocks,)](
-        dy, keep, block_counts, block_counts if db_partial is None else db_partial, policy.threshold, M, N,
-        dy.stride(0), dy.stride(1), KEEP_GIVEN=keep_given, WITH_DB=with_db, **tiles,
-    )
-    return keep, block_counts, db_partial, tiles["BLOCK_M"]
+def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool):
+    """``(perm, count, dy_kept, x_kept, db)``: the select and compact launches over the rows of
+    ``dy`` (``(M, N)``, ``M > 0``).
 
-
-def _compact(dy, x, keep, block_counts, block_m, copy_dy: bool, interpret: bool):
-    """``(perm, count, dy_kept, x_kept)``: the copies are ``(M, ·)`` buffers whose first ``count``
-    rows are the kept rows (``None`` where not asked for)."""
+    ``keep``: ``(M,)`` bool flags to take as given, or ``None`` to score ``dy`` under ``policy``.
+    With ``copy``, ``dy_kept``/``x_kept`` are ``(M, ·)`` buffers whose first ``count`` rows are the
+    kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``); without, both ``None``.
+    ``db`` (``(N,)`` in ``bias_dtype``, the full column sum of ``dy``) where ``bias_dtype`` is given.
+    """
     M, N = dy.shape
     K = 0 if x is None else x.shape[1]
-    perm = torch.empty(M, dtype=torch.int32, device=dy.device)
-    count = torch.empty(1, dtype=torch.int32, device=dy.device)
-    dy_kept = torch.empty_like(dy, memory_format=torch.contiguous_format) if copy_dy else None
-    x_kept = None if x is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
-    num_blocks = block_counts.shape[0]
-    _compact_kernel[(num_blocks,)](
-        keep, block_counts, perm, count,
-        dy, dy if x is None else x, perm if dy_kept is None else dy_kept, perm if x_kept is None else x_kept,
-        M, N, K, num_blocks,
-        dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
-        BLOCK_M=block_m, BLOCK_COPY=64 if interpret else 256, COUNTS_CHUNK=64 if interpret else 1024,
-        COPY_DY=copy_dy, COPY_X=x is not None, num_warps=4,
+    plan = _select_plan(M)
+    device = dy.device
+    work = torch.empty(plan.size, dtype=torch.int32, device=device)
+    perm, count = work[:M], work[plan.count_at:plan.count_at + 1]
+    block_counts = work[plan.counts_at:plan.counts_at + plan.num_blocks]
+    flags = work[plan.keep_at:].view(torch.int8)[:M]
+    if keep is not None:
+        flags.copy_(keep)
+    with_db = bias_dtype is not None
+    db_partial = torch.empty((plan.num_blocks, N), dtype=torch.float32, device=device) if with_db else work
+    _select_kernel[plan.grid](
+        dy, flags, block_counts, db_partial, policy.threshold, M, N, dy.stride(0), dy.stride(1),
+        KEEP_GIVEN=keep is not None, WITH_DB=with_db, **plan.select,
     )
-    return perm, count, dy_kept, x_kept
+    dy_kept = x_kept = None
+    if copy:
+        # One buffer for both copies; x's part starts 16-byte aligned.
+        x_at = -(-M * N * dy.element_size() // 16) * 16 // dy.element_size()
+        kept = torch.empty(x_at + M * K, dtype=dy.dtype, device=device)
+        dy_kept = kept[:M * N].view(M, N)
+        x_kept = None if x is None else kept[x_at:].view(M, K)
+    db = torch.empty(N, dtype=bias_dtype, device=device) if with_db else None
+    _compact_kernel[plan.grid](
+        flags, block_counts, perm, count,
+        dy, dy if x is None else x, work if dy_kept is None else dy_kept, work if x_kept is None else x_kept,
+        db_partial, work if db is None else db,
+        M, N, K, plan.num_blocks,
+        dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
+        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=with_db, **plan.compact,
+    )
+    return perm, count, dy_kept, x_kept, db
 
 
 def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,100 +522,91 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
     Returns:
         ``perm`` ``(M,)`` int32 and ``count`` ``(1,)`` int32, both on ``dy``'s device.
     """
-    interpret = check_device(dy)
+    check_device(dy)
     if dy.shape[0] == 0:
         return (torch.empty(0, dtype=torch.int32, device=dy.device),
                 torch.zeros(1, dtype=torch.int32, device=dy.device))
-    keep, block_counts, _, block_m = _select(dy, policy, False, interpret)
-    perm, count, _, _ = _compact(dy, None, keep, block_counts, block_m, False, interpret)
+    perm, count, *_ = _select_and_compact(dy, None, _given_keep(dy, policy), policy, None, False)
     return perm, count
 
 
-def sebp_dx(
-    dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, *,
-    compacted: bool, config: dict | None = None,
-) -> torch.Tensor:
-    """``dX = (dY * keep[:, None]) @ W`` with dropped rows zero.
-
-    Args:
-        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
-            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
-            kept rows in ``perm`` order; the rest is never read).
-        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``.
-        perm: ``(M,)`` int32 active-first permutation.
-        count: ``(1,)`` int32 number of kept rows (device tensor).
-        compacted: which of the two ``dy`` is.
-        config: block sizes and launch options; ``None`` takes :func:`default_config`.
-
-    Returns:
-        ``(M, K)`` in ``dy``'s dtype.
-    """
-    interpret = check_device(dy, weight, perm, count)
-    M, N = dy.shape
-    K = weight.shape[1]
-    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
-    if M == 0 or K == 0:
-        return dx
-    cfg = config or default_config("dx", dy.dtype, interpret, out_columns=K)
-    grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, cfg["BLOCK_M"]))
-    _dx_kernel[grid](
-        dy, weight, perm, count, dx,
-        M, N, K,
-        dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-        GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret),
-        **cfg,
-    )
-    return dx
+def permutation_of(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)`` of :func:`~sebp_torch_ref.policy.active_first_permutation` of a ``(M,)``
+    bool mask, by the compact launch (a row plan's rows, made once per step)."""
+    check_device(keep)
+    if keep.shape[0] == 0:
+        return (torch.empty(0, dtype=torch.int32, device=keep.device),
+                torch.zeros(1, dtype=torch.int32, device=keep.device))
+    perm, count, *_ = _select_and_compact(keep[:, None], None, keep, RowPolicy(), None, False)
+    return perm, count
 
 
-def sebp_dw(
+def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
+    """The keep flags of a Top-N policy, ranked with torch ops; ``None`` where the select launch
+    scores the rows itself."""
+    if policy.max_rows is not None and policy.max_rows < dy.shape[0]:
+        return keep_mask(dy, policy)
+    return None
+
+
+def sebp_gemms(
     dy: torch.Tensor,
-    x_kept: torch.Tensor,
+    weight: torch.Tensor | None,
+    x: torch.Tensor | None,
     perm: torch.Tensor,
     count: torch.Tensor,
     out_dtype: torch.dtype,
     *,
     compacted: bool,
     config: dict | None = None,
-) -> torch.Tensor:
-    """``dW = (dY * keep[:, None])^T @ X``: the sum over the kept rows only.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero) and ``dW = (dY * keep[:, None])^T @
+    X`` (a sum over the kept rows only), in one launch (and a memset where dW is split over rows).
 
     Args:
-        dy: ``(M, N)`` output gradient or its compacted copy, as for :func:`sebp_dx`.
-        x_kept: ``(M, K)`` contiguous: the kept rows of the layer input first, in ``perm`` order.
+        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
+            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
+            kept rows in ``perm`` order; the rest is never read).
+        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``; ``None``: no dX.
+        x: ``(M, K)`` layer input, full or compacted as ``dy`` is; ``None``: no dW.
         perm: ``(M,)`` int32 active-first permutation.
         count: ``(1,)`` int32 number of kept rows (device tensor).
-        out_dtype: dtype of the result (the weight's).
-        compacted: which of the two ``dy`` is.
-        config: block sizes and launch options; ``None`` takes :func:`default_config`.
+        out_dtype: dtype of dW (the weight's).
+        compacted: whether ``dy`` and ``x`` are the compacted copies.
+        config: :func:`default_config`'s form; ``None`` takes the default.
 
     Returns:
-        ``(N, K)`` in ``out_dtype``.
+        ``dX`` ``(M, K)`` in ``dy``'s dtype and ``dW`` ``(N, K)`` in ``out_dtype``, each ``None``
+        where not asked for.
     """
-    interpret = check_device(dy, x_kept, perm, count)
+    check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
     M, N = dy.shape
-    K = x_kept.shape[1]
-    dw = torch.empty((N, K), dtype=out_dtype, device=dy.device)
-    if N == 0 or K == 0:
-        return dw
-    cfg = config or default_config("dw", dy.dtype, interpret)
-    tiles = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    split = _dw_split(tiles[0] * tiles[1], triton.cdiv(M, cfg["BLOCK_M"]), dy.device, interpret)
-    out = dw if split == 1 else torch.empty((split, N, K), dtype=torch.float32, device=dw.device)
-    _dw_kernel[(*tiles, split)](
-        dy, x_kept, perm, count, out, N, K, dy.stride(0), dy.stride(1), N * K,
-        SPLIT=split, GATHER_DY=not compacted, **_dot_options(dy.dtype, interpret), **cfg,
+    K = (weight if weight is not None else x).shape[1]
+    device = dy.device
+    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=device)
+    dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=device)
+    if M * N * K == 0:
+        return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
+    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, not compacted, device)
+    plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
+    partial = arrivals = count
+    if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
+        partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+        arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
+    _grads_kernel[plan.grid](
+        dy, dy if weight is None else weight, dy if x is None else x, perm, count,
+        dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
+        M, N, K, plan.dw_programs,
+        dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
+        *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
+        **plan.gemm,
     )
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(N * K, block),)](
-            out, count, dw, N * K, BLOCK_M=cfg["BLOCK_M"], SPLIT=split, BLOCK=block,
-        )
-    return dw
+    return dx, dw
 
 
-# dY is copied to contiguous rows unless it is as wide as a vocabulary: an LM head's (M, 128k)
-# gradient would need a second buffer of the logits' size, for loads that gain little there.
+# The kept rows of dY and X are copied to contiguous buffers unless dY is as wide as a vocabulary:
+# an LM head's (M, 128k) gradient would need a second buffer of the logits' size. The GEMMs then
+# read both through perm (`benchmarks/layer_torch.py` times both ways: `sebp_triton_gather`).
 _MAX_COPIED_COLUMNS = 16384
 
 
@@ -493,7 +630,7 @@ def sebp_grads(
         ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``x``'s dtype, and ``db`` ``(N,)``
         (the full column sum of ``dy``, accumulated in float32).
     """
-    interpret = check_device(*(t for t in (dy, x, weight) if t is not None))
+    check_device(*(t for t in (dy, x, weight) if t is not None))
     M, N = dy.shape
     if x is None and weight is None:  # only db: no rows to select
         return None, None, None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
@@ -502,11 +639,11 @@ def sebp_grads(
         dw = None if x is None else torch.zeros((N, x.shape[1]), dtype=x.dtype, device=dy.device)
         db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
         return dx, dw, db
-    keep, block_counts, db_partial, block_m = _select(dy, policy, bias_dtype is not None, interpret)
-    compacted = N <= _MAX_COPIED_COLUMNS
-    perm, count, dy_kept, x_kept = _compact(dy, x, keep, block_counts, block_m, compacted, interpret)
-    rows = dy_kept if compacted else dy
-    dx = None if weight is None else sebp_dx(rows, weight, perm, count, compacted=compacted)
-    dw = None if x is None else sebp_dw(rows, x_kept, perm, count, x.dtype, compacted=compacted)
-    db = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
+    copy = N <= _MAX_COPIED_COLUMNS
+    perm, count, dy_kept, x_kept, db = _select_and_compact(
+        dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
+    dx, dw = sebp_gemms(
+        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
+        dy.dtype if x is None else x.dtype, compacted=copy,
+    )
     return dx, dw, db

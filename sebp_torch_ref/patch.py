@@ -23,6 +23,8 @@ class SEBPLinear(nn.Linear):
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
         policy: which rows of the output gradient the backward keeps.
         impl: ``"auto"``, ``"triton"``, ``"torch"`` or ``"dense"``.
+        name: the layer's name in errors (:func:`~sebp_torch_ref.apply_sebp` passes its dotted
+            module name).
     """
 
     def __init__(
@@ -35,21 +37,25 @@ class SEBPLinear(nn.Linear):
         *,
         policy: RowPolicy = RowPolicy(),
         impl: str = "auto",
+        name: str | None = None,
     ) -> None:
         _check_options(policy, impl)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.policy = policy
         self.impl = impl
+        self.name = name
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, policy: RowPolicy = RowPolicy(), impl: str = "auto") -> SEBPLinear:
+    def from_linear(
+        cls, linear: nn.Linear, policy: RowPolicy = RowPolicy(), impl: str = "auto", name: str | None = None,
+    ) -> SEBPLinear:
         """An ``SEBPLinear`` sharing ``linear``'s Parameters (no copy: tying and optimisers hold)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear: `linear` must be an nn.Linear, got {type(linear).__name__}.")
         # Built on the meta device so that no storage is allocated, then given linear's Parameters.
         layer = cls(
             linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-            policy=policy, impl=impl,
+            policy=policy, impl=impl, name=name,
         )
         layer.weight = linear.weight
         layer.bias = linear.bias
@@ -57,7 +63,7 @@ class SEBPLinear(nn.Linear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return sebp_linear(input, self.weight, self.bias, policy=self.policy, impl=self.impl)
+        return sebp_linear(input, self.weight, self.bias, policy=self.policy, impl=self.impl, name=self.name)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, policy={self.policy}, impl={self.impl!r}"
@@ -110,7 +116,7 @@ def apply_sebp(
             if id(child) not in replacement:
                 full_name = f"{name}.{child_name}" if name else child_name
                 chosen = where is None or where(full_name)
-                replacement[id(child)] = SEBPLinear.from_linear(child, policy, impl) if chosen else None
+                replacement[id(child)] = SEBPLinear.from_linear(child, policy, impl, full_name) if chosen else None
             if replacement[id(child)] is not None:
                 setattr(module, child_name, replacement[id(child)])
     return sum(new is not None for new in replacement.values())
