@@ -2,8 +2,9 @@
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
 the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
-own framework's dense (``jax-dense`` or ``torch-dense``), the way to its own framework's bound
-``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound`` or ``torch-bound``), and
+own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-graphed`` for the graphed
+torch variants), the way to its own framework's bound ``(dense_bwd − variant_bwd) / (dense_bwd −
+bound_bwd)`` (``jax-bound``, ``torch-bound`` or ``torch-bound-graphed``), and
 peak memory against its own dense; and, for the ``full_length`` workload, the step time as a
 multiple of its own dense's. Computed from the JSON, so
 a re-measured file gives the README's numbers without copying them by hand::
@@ -23,8 +24,15 @@ from benchmarks.workloads import BASELINE, speedups
 __all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_summary"]
 
 BOUND = "jax-bound"
-# framework -> (its dense variant, its bound variant)
-REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound")}
+# framework -> (its dense variant, its bound variant); a CUDA-graphed torch step is compared with
+# the graphed dense and bound steps (the same host overhead: none).
+REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound"),
+              "torch-graphed": ("torch-dense-graphed", "torch-bound-graphed")}
+
+
+def _references(row: dict) -> tuple[str, str]:
+  graphed = row["variant"].endswith("-graphed")
+  return REFERENCES[row["framework"] + ("-graphed" if graphed else "")]
 
 
 def way_to_bound(dense_ms: float, variant_ms: float, bound_ms: float) -> float:
@@ -42,13 +50,14 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
   """``(batch, variant) -> {"bwd_x", "step_x", "own_bwd_x", "way", "mem", "full_step"}``: each a
   ``(low, high)`` range (``None`` where nothing measured it). ``bwd_x``/``step_x`` are over
   ``jax-dense``; ``own_bwd_x``, ``way``, ``mem`` (+0.01 = 1 % more) and ``full_step`` against the
-  variant's own framework's dense and bound (:data:`REFERENCES`)."""
+  variant's own framework's dense and bound (:data:`REFERENCES`; graphed torch variants: the
+  graphed ones)."""
   rows = [r for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
   ratios = speedups(rows)
   collected: dict[tuple[int, str], dict[str, list[float]]] = {}
   for r in rows:
-    dense_name, bound_name = REFERENCES[r["framework"]]
+    dense_name, bound_name = _references(r)
     dense = by_key.get((r["workload"], r["batch"], dense_name))
     if dense is None:
       continue

@@ -28,6 +28,9 @@ Variants (:data:`VARIANTS`)
   :func:`sebp_torch_ref.row_plan` of the batch's attention mask: no layer selects its rows) and
   ``torch-sebp-topn`` (the paper's fixed Top-N,
   ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
+  ``torch-dense-graphed``, ``torch-sebp-plan-graphed`` and ``torch-bound-graphed`` run the same
+  models' steps as CUDA graphs (:class:`benchmarks.torch_graph.GraphedStep`: no host launch
+  overhead; CUDA only, refused elsewhere);
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
   ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
   crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
@@ -50,7 +53,11 @@ Measurement
     on BERT-base that program's time varied from 3.8 to 6.4 ms between processes, and the
     subtraction put all of it into the backward.)
   * torch: CUDA events around the forward, ``backward()`` and ``optimizer.step()`` of one eager
-    training step (``perf_counter`` on CPU). ``bwd_spread`` is the backward's
+    training step (``perf_counter`` on CPU). The ``*-graphed`` variants time the replays of the
+    step's three graphs (forward, backward, optimizer) the same way; the batch is copied into the
+    static buffers before the first event. Their graphs are captured once per batch size and
+    crossover choice (the shapes are the same in every workload), before the workload's memory
+    peak is reset, so the peak includes the graphs' pool. ``bwd_spread`` is the backward's
     ``(max - min) / median`` over the timed steps (distinct batches of one workload).
   * ``peak_mem_bytes``: JAX ``memory_stats()['peak_bytes_in_use']`` after the batch size's
     workloads (batch sizes run in ascending order, so the peak is that batch size's);
@@ -227,7 +234,8 @@ class Variant:
   (:func:`sebp_jax.sebp_value_and_grad`) instead of in every layer. ``rows``: besides, the kept
   rows handed to every layer once per step from the attention mask (a row plan), instead of each
   layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
-  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``layers``: ``"dense"``, the model as
+  :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
+  step captured in CUDA graphs and replayed per batch. ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does."""
 
@@ -239,6 +247,7 @@ class Variant:
   rows: bool = False
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
+  graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
 
   @property
   def baseline(self) -> str:
@@ -256,6 +265,10 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-sebp-plan", "torch", "triton", rows=True),
   Variant("torch-bound", "torch", "bound"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
+  # Without host launch overhead: what the GPU work of the step costs.
+  Variant("torch-dense-graphed", "torch", "dense", graphed=True),
+  Variant("torch-sebp-plan-graphed", "torch", "triton", rows=True, graphed=True),
+  Variant("torch-bound-graphed", "torch", "bound", graphed=True),
   # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
   Variant("torch-dense-compiled", "torch", "compiled"),
   Variant("jax-dynamic", "jax", "dynamic"),
@@ -685,6 +698,25 @@ def _torch_marks(model, optimizer, clock: _TorchClock, variant: Variant, batches
   return marks
 
 
+def _graphed_marks(steps: dict, clock: _TorchClock, batches: Sequence[dict],
+                   dense_steps: Sequence[bool]) -> list[tuple]:
+  """:func:`_torch_marks` of a ``graphed`` variant: per batch, loads it into the static buffers of
+  ``steps[dense]`` (a :class:`benchmarks.torch_graph.GraphedStep` per crossover choice), then
+  replays the forward, backward and optimizer graphs between the marks."""
+  marks = []
+  for batch, dense in zip(batches, dense_steps):
+    step = steps[dense]
+    step.load(batch)
+    t0 = clock.mark()
+    step.forward.replay()
+    t1 = clock.mark()
+    step.backward.replay()
+    t2 = clock.mark()
+    step.step.replay()
+    marks.append((t0, t1, t2, clock.mark()))
+  return marks
+
+
 def torch_variant_model(spec: ModelSpec, variant: Variant, device: str):
   """The variant's torch model: Hugging Face in bfloat16, patched or compiled as it says."""
   import torch
@@ -724,6 +756,17 @@ def _spread(samples: Sequence[float]) -> float | None:
   return (max(samples) - min(samples)) / median if median > 0 else None
 
 
+def _capture_steps(steps: dict, model, optimizer, variant: Variant, batch: dict,
+                   dense_steps: Sequence[bool]) -> None:
+  """Adds to ``steps`` a :class:`benchmarks.torch_graph.GraphedStep` for each crossover choice
+  in ``dense_steps`` that has none, captured on ``batch``'s shapes."""
+  from benchmarks.torch_graph import GraphedStep
+
+  for dense in sorted(set(dense_steps) - set(steps)):
+    steps[dense] = GraphedStep(model, optimizer, batch,
+                               functools.partial(torch_forward_context, variant, dense=dense))
+
+
 def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
   """Runs ``variant`` (torch) on every workload and batch size; yields the device, then rows."""
   import torch
@@ -733,11 +776,16 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
          "platform": device}
   if variant.max_rows == "paper" and spec.paper_max_rows is None:
     return  # the paper states no fixed Top-N for this model
+  if variant.graphed and device != "cuda":
+    raise ValueError(f"{variant.name}: CUDA graphs need a CUDA device, and torch sees none.")
   torch.manual_seed(0)
   model = torch_variant_model(spec, variant, device)
-  optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+  # A graphed optimizer step keeps its step count on the device (capturable).
+  optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                capturable=variant.graphed)
   clock = _TorchClock(torch, device)
   for batch_size in sorted(spec.batch_sizes):
+    graphed = {}  # crossover choice -> GraphedStep, shared by the batch size's workloads
     for workload in spec.workloads:
       batches, active = workload_batches(spec, workload, batch_size, settings, dynamic=False)
       row = Row(workload.name, workload.dataset, "torch", _torch_impl(variant, device),
@@ -746,10 +794,16 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
       try:
         device_batches = [{k: torch.from_numpy(v).long().to(device) for k, v in b.items()}
                           for b in batches]
+        if variant.graphed:
+          _capture_steps(graphed, model, optimizer, variant, device_batches[0], dense_steps)
         if device == "cuda":
           torch.cuda.synchronize()
           torch.cuda.reset_peak_memory_stats()
-        timed = _torch_marks(model, optimizer, clock, variant, device_batches, dense_steps)[settings.warmup:]
+        if variant.graphed:
+          timed = _graphed_marks(graphed, clock, device_batches, dense_steps)
+        else:
+          timed = _torch_marks(model, optimizer, clock, variant, device_batches, dense_steps)
+        timed = timed[settings.warmup:]
         if device == "cuda":
           torch.cuda.synchronize()
           row.peak_mem_bytes = torch.cuda.max_memory_allocated()

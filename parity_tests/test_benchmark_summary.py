@@ -29,6 +29,9 @@ RESULT = {"benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "seq_len": 6
   _row("a", "torch-bound", bwd=4.0, step=30.0, mem=None),
   _row("a", "torch-sebp", bwd=8.0, step=32.0, mem=None),
   _row("b", "torch-sebp", bwd=9.0, step=33.0, mem=None),  # its dense failed: left out
+  _row("a", "torch-dense-graphed", bwd=16.0, step=30.0, mem=None),
+  _row("a", "torch-bound-graphed", bwd=2.0, step=20.0, mem=None),
+  _row("a", "torch-sebp-plan-graphed", bwd=5.0, step=22.0, mem=None),
 ]}
 
 
@@ -57,6 +60,9 @@ def test_variant_ranges_cover_the_padded_workloads():
   assert torch_sebp["own_bwd_x"] == (2.5, 2.5)          # 20 / 8
   assert torch_sebp["way"] == (0.75, 0.75)              # (20-8)/(20-4)
   assert torch_sebp["bwd_x"] == (1.25, 1.25)            # jax-dense's 10 / 8
+  graphed = ranges[(4, "torch-sebp-plan-graphed")]      # against the graphed dense and bound
+  assert graphed["own_bwd_x"] == (3.2, 3.2)             # 16 / 5
+  assert graphed["way"] == (11 / 14, 11 / 14)           # (16-5)/(16-2)
 
 
 def test_markdown_summary_writes_one_row_per_variant():
