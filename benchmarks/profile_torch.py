@@ -96,7 +96,8 @@ def profile_variant(spec, variant: Variant, batches: Sequence[dict], dense_steps
 def _main(argv: Sequence[str] | None = None) -> None:
   import torch
 
-  by_name = {v.name: v for v in VARIANTS if v.framework == "torch"}
+  # The profile traces eager steps: a graphed variant's replays would show no launches.
+  by_name = {v.name: v for v in VARIANTS if v.framework == "torch" and not v.graphed}
   parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_torch")
   parser.add_argument("--model", required=True, choices=["bert", "llama"])
   parser.add_argument("--batch", type=int, required=True)

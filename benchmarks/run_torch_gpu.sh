@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The torch reference on one GPU in at most 9 minutes (issue 19): its GPU tests, host vs GPU time
-# per layer (host_overhead_torch), the layer benchmark on two shapes, BERT-base b32 and
-# LLaMA-3.2-3B b1 with torch-dense, torch-sebp, torch-sebp-plan (row plan of the attention mask)
-# and torch-bound, and a per-kernel-family profile of the BERT step.
+# per layer (host_overhead_torch), the layer benchmark on two shapes, BERT-base b32 with
+# torch-dense, torch-sebp-plan (row plan of the attention mask) and torch-bound, eager and (dense
+# and plan) replayed from CUDA graphs, LLaMA-3.2-3B b1 eager with torch-dense, torch-sebp-plan and
+# torch-bound on piqa and full_length, and a per-kernel-family profile of the BERT step.
 #
 #   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh    # results under $OUT/torch
 #
-# Every stage has its own time limit (together 530 s), so a slow or failing stage costs only its
+# Every stage has its own time limit (together 500 s), so a slow or failing stage costs only its
 # share. Each stage writes its own files naming the card and library versions, and appends what
 # it printed to $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
@@ -41,21 +42,23 @@ stage() {
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
 stage 100 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
-  parity_tests/test_torch_hf.py -m gpu -q -x -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml"
-stage 60 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+  parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py -m gpu -q -x -p no:cacheprovider \
+  --junitxml="$out/gpu_tests_torch.xml"
+stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
   --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
 append "$out/host_overhead_torch_profile.txt"
 stage 40 "one layer (CUDA-graph replay and eager)" $py -m benchmarks.layer_torch --check \
   --shapes bert_base_ffn_up,llama32_3b_mlp_up_b1 --out "$out/torch_layer.json"
 append "$out/torch_layer.md"
-stage 145 "BERT-base b32" $py -m benchmarks.bert --tag torch --out-dir "$out" --steps 8 --time-budget 135 \
-  --variants torch-dense torch-sebp torch-sebp-plan torch-bound
+stage 170 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
+  --steps 8 --time-budget 160 --variants torch-dense torch-dense-graphed torch-sebp-plan \
+  torch-sebp-plan-graphed torch-bound
 append "$out/bert_torch.md"
-stage 135 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 125 \
-  --workloads piqa obqa full_length --variants torch-dense torch-sebp torch-sebp-plan torch-bound
+stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
+  --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound
 append "$out/llama_b1_torch.md"
-stage 40 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
-  --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp torch-sebp-plan
+stage 35 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
+  --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp-plan
 append "$out/profile_torch_bert_b32_glue_sst2.md"
 stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
   "$out/bert_torch.json" "$out/llama_b1_torch.json"

@@ -114,14 +114,15 @@ def _xfail_on_platform_defect(request, impl, pattern, dtype, device, rows) -> No
             strict=False))
 
 
-def reference_grads(x, weight, bias, dy, keep):
-    """float64 autograd of F.linear on the masked gradient; db from the unmasked one."""
+def reference_grads(x, weight, bias, dy, keep, *, masked_db=False):
+    """float64 autograd of F.linear on the masked gradient; db from the unmasked one (a row
+    plan's, ``masked_db``: from the masked one)."""
     x64 = x.detach().double().requires_grad_()
     w64 = weight.detach().double().requires_grad_()
     dy64 = dy.double()
     masked = torch.where(keep.view(*dy.shape[:-1], 1), dy64, torch.zeros_like(dy64))
     dx, dw = torch.autograd.grad(F.linear(x64, w64), (x64, w64), masked)
-    db = None if bias is None else dy64.reshape(-1, dy.shape[-1]).sum(0)
+    db = None if bias is None else (masked if masked_db else dy64).reshape(-1, dy.shape[-1]).sum(0)
     return dx, dw, db
 
 
@@ -512,8 +513,8 @@ def _plan_case(pattern: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("pattern", PLAN_PATTERNS)
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_row_plan_keeps_the_mask_rows(impl, pattern, mask_dtype, dtype, device):
-    """Under a plan, dX and dW are the dense backward of ``dY * mask``, whatever ``dY`` holds
-    outside the mask (non-zero, NaN); db is still the full column sum."""
+    """Under a plan, dX, dW and db are the dense backward of ``dY * mask``, whatever ``dY`` holds
+    outside the mask (non-zero, NaN)."""
     _skip_unavailable(impl, device)
     gen = _generator("plan", impl, pattern, dtype)
     mask, dy = _plan_case(pattern, gen)
@@ -524,9 +525,66 @@ def test_row_plan_keeps_the_mask_rows(impl, pattern, mask_dtype, dtype, device):
     with row_plan(mask.to(device, mask_dtype)):
         y = sebp_linear(x, weight, bias, impl=impl)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
-    expected = reference_grads(x.cpu(), weight.cpu(), bias, dy.cpu(), mask.reshape(-1))
+    expected = reference_grads(x.cpu(), weight.cpu(), bias, dy.cpu(), mask.reshape(-1), masked_db=True)
     for got, want in zip(grads, expected):
         assert_grad_close(got.cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_row_plan_bias_gradient_of_a_frozen_weight(impl, device):
+    """Without dW there are no dW programs to sum db: it is still the sum over the plan's rows."""
+    _skip_unavailable(impl, device)
+    gen = _generator("plan-frozen", impl)
+    mask, dy = _plan_case("nonfinite", gen)
+    x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device)
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
+    with row_plan(mask.to(device)):
+        y = sebp_linear(x, weight, bias, impl=impl)
+    grads = torch.autograd.grad(y, (x, bias), dy.to(device))
+    dx, _, db = reference_grads(x.cpu(), weight.cpu(), bias, dy, mask.reshape(-1), masked_db=True)
+    for got, want in zip(grads, (dx, db)):
+        assert_grad_close(got.cpu(), want, torch.float32)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# split: whether dW (and db) is split over row slices; None where the tiles and SMs decide.
+@pytest.mark.parametrize("rows, out_features, split", [(1, 29, False), (150, 29, True), (70, 300, None)])
+@pytest.mark.parametrize("kept", ["some", "none"])
+def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, split, dtype, device):
+    """Under a plan, dW's programs sum db over the kept rows they load (no read of the others),
+    alone or split over row slices whose last arrival adds them up; NaN/Inf in kept rows reach
+    db, a NaN in a dropped row does not."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    gen = _generator("plan-db", rows, out_features, kept)
+    keep = torch.rand(rows, generator=gen) < 0.7
+    keep[0] = kept == "some"
+    if kept == "none":
+        keep[:] = False
+    dy = torch.randn(rows, out_features, generator=gen)
+    dy[~keep] = 0
+    nonfinite = keep.nonzero().flatten()[:2].tolist()
+    for row, value in zip(nonfinite, (math.nan, math.inf)):
+        dy[row, row % out_features] = value
+    dropped = (~keep).nonzero().flatten()
+    if len(dropped):
+        dy[dropped[0], 3] = math.nan  # outside the plan's contract, and still dropped
+    x = torch.randn(rows, IN_FEATURES, generator=gen).to(device, dtype)
+    weight = torch.randn(out_features, IN_FEATURES, generator=gen).to(device, dtype)
+    dy = dy.to(device, dtype)
+    perm, count = kernels.permutation_of(keep.to(device))
+    shape = (rows, out_features, IN_FEATURES, dtype, True, True, True, True, dy.device)
+    assert split in (None, kernels._default_gemm_plan(*shape).split > 1) and int(count) == int(keep.sum())
+    dx, dw, db = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False, bias_dtype=dtype)
+    expected = reference_grads(x.cpu(), weight.cpu(), True, dy.cpu(), keep, masked_db=True)
+    for got, want in zip((dx, dw, db), expected):
+        assert_grad_close(got.cpu(), want, dtype)
+    with pytest.raises(ValueError, match="`bias_dtype` needs `x`"):
+        kernels.sebp_gemms(dy, weight, None, perm, count, dtype, compacted=False, bias_dtype=dtype)
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])

@@ -2,8 +2,9 @@
 
 The forward is ``F.linear``, unchanged. The backward selects the rows of the output gradient that
 the :class:`~sebp_torch_ref.policy.RowPolicy` keeps and computes ``dX``/``dW`` as the dense
-backward of the masked gradient ``dY * keep[:, None]``; ``db`` is always the full row sum of
-``dY``. Backends (``impl``):
+backward of the masked gradient ``dY * keep[:, None]``; ``db`` is the full row sum of ``dY``,
+except under a row plan, whose dropped rows are zero by its contract: there ``db`` is summed over
+the plan's rows too, by the GEMM launch that reads them. Backends (``impl``):
 
 * ``"triton"``: the kernels of :mod:`sebp_torch_ref.kernels` (CUDA, or CPU under
   ``TRITON_INTERPRET=1``): no host synchronisation, no data-dependent shape, so the backward can
@@ -129,21 +130,29 @@ class _SEBPLinearFunction(torch.autograd.Function):
                     ctx.bias_dtype if need_b else None,
                 )
                 return dx, dw, db, None, None, None, None
-        db = _bias_grad(dy, ctx.bias_dtype) if need_b else None
-        dx = dw = None
+        dx = dw = db = None
         if ctx.impl == "dense":
             dx = dy @ weight if need_x else None
             dw = dy.t() @ x if need_w else None
-        elif (need_x or need_w) and ctx.impl == "triton":
-            # The plan's rows, read in place through its permutation: one GEMM launch.
-            dx, dw = kernels.sebp_gemms(
-                dy, weight if need_x else None, x if need_w else None, *plan.rows("triton"), ctx.dtype,
-                compacted=False,
-            )
-        elif need_x or need_w:
-            perm, count = (active_first_permutation(keep_mask(dy, ctx.policy)) if plan is None
-                           else plan.rows("torch"))
-            dx, dw = _masked_grads(dy, x, weight, perm, count, need_x, need_w)
+            db = _bias_grad(dy, ctx.bias_dtype) if need_b else None
+        elif ctx.impl == "triton":  # under a plan (unplanned returned above)
+            # dW's programs sum db from the rows they load (a layer with in-features to load).
+            fused_db = need_b and need_w and x.shape[1] > 0
+            if need_x or need_w:
+                # The plan's rows, read in place through its permutation: one GEMM launch.
+                dx, dw, db = kernels.sebp_gemms(
+                    dy, weight if need_x else None, x if need_w else None, *plan.rows("triton"), ctx.dtype,
+                    compacted=False, bias_dtype=ctx.bias_dtype if fused_db else None,
+                )
+            if need_b and not fused_db:
+                db = _planned_bias_grad(dy, plan, ctx.bias_dtype)
+        else:
+            if need_x or need_w:
+                perm, count = (active_first_permutation(keep_mask(dy, ctx.policy)) if plan is None
+                               else plan.rows("torch"))
+                dx, dw = _masked_grads(dy, x, weight, perm, count, need_x, need_w)
+            if need_b:
+                db = _bias_grad(dy, ctx.bias_dtype) if plan is None else _planned_bias_grad(dy, plan, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None
 
 
@@ -153,6 +162,12 @@ def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == dy.dtype:
         return dy.sum(dim=0)
     return dy.sum(dim=0, dtype=torch.float32).to(dtype)
+
+
+def _planned_bias_grad(dy: torch.Tensor, plan, dtype: torch.dtype) -> torch.Tensor:
+    """``db`` under a row plan: the column sum over the plan's rows, as dX and dW take them (a
+    non-finite value outside the plan is dropped, not summed)."""
+    return _bias_grad(dy.masked_fill(plan.mask.reshape(-1, 1) == 0, 0), dtype)
 
 
 def _check_args(x, weight, bias, policy, impl, name) -> None:
@@ -210,7 +225,8 @@ def sebp_linear(
     Returns:
         ``(..., N)`` output, equal to ``F.linear(x, weight, bias)``. In the backward, ``dX`` and
         ``dW`` are the dense gradients of ``dY * keep[:, None]`` (accumulated in float32, returned
-        in the primal dtypes) and ``db`` is the full ``dY.sum(rows)``. Gradients are computed only
+        in the primal dtypes) and ``db`` is the full ``dY.sum(rows)`` (under a row plan, the sum
+        over the plan's rows, like dX and dW). Gradients are computed only
         for inputs that require them (no ``dW`` for a frozen weight).
 
     Under autocast the inputs are cast to the autocast dtype first, as autocast does for

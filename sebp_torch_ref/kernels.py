@@ -34,6 +34,11 @@ whole backward can be captured in a CUDA graph.
    ``dY`` and ``X`` are read through ``perm`` instead of copied where ``dY`` is as wide as a
    vocabulary (an LM head's), whose copy would be as large as the logits.
 
+   Under a row plan (:func:`sebp_gemms` on the full ``dY``, no select or compact launch) the dW
+   programs of the first column block of ``K`` also sum the ``dY`` columns they load into
+   ``db``, split and fixed up the way their dW tile is: the plan's ``db`` costs no launch and no
+   second read of ``dY``.
+
 Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
 products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
 tables with a per-shape rule (:func:`default_config`).
@@ -232,10 +237,10 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dw_tile(
-    pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
+    pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr, count, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_DB: tl.constexpr,
 ):
     """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows.
 
@@ -243,6 +248,10 @@ def _dw_tile(
     each slice stores its float32 partial sum and counts its arrival on the tile; the last to
     arrive adds the used slices up in slice order (deterministic, whichever slice that is) and
     stores the tile, so the split costs no second launch.
+
+    ``WITH_DB``: the tiles of the first column block of K also sum the ``dY`` columns they load
+    over the kept rows, which is ``db`` (the dropped rows are zero under a row plan): ``dY`` is
+    read once for both, and the split's partial sums and last arrival serve ``db`` alike.
     """
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tiles_k * tl.cdiv(N, BLOCK_N)
@@ -257,6 +266,8 @@ def _dw_tile(
         offsets = ns[:, None] * K + ks[None, :]
         in_tile = (ns[:, None] < N) & (ks[None, :] < K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        first_k = tile % tiles_k == 0
+        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
             slots = m0 + tl.arange(0, BLOCK_M)
             kept = slots < end
@@ -274,12 +285,21 @@ def _dw_tile(
             if UPCAST:
                 dy, x = dy.to(tl.float32), x.to(tl.float32)
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+            if WITH_DB:
+                if first_k:
+                    db_acc += tl.sum(dy.to(tl.float32), axis=0)
         if used <= 1:
             tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+            if WITH_DB:
+                if first_k:
+                    tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
         else:
             # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
             slice_size = N * K
             tl.store(partial_ptr + pid_s * slice_size + offsets, acc, mask=in_tile)
+            if WITH_DB:
+                if first_k:
+                    tl.store(db_partial_ptr + pid_s * N + ns, db_acc, mask=ns < N)
             # Every thread's partial is stored before the arrival is counted (the atomic releases
             # them to the GPU, and acquires the other slices' for the last one).
             tl.debug_barrier()
@@ -291,20 +311,28 @@ def _dw_tile(
                     total += tl.load(partial_ptr + s * slice_size + offsets, mask=in_tile, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(dw_ptr + offsets, total.to(dw_ptr.dtype.element_ty), mask=in_tile)
+                if WITH_DB:
+                    if first_k:
+                        db_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                        for s in range(0, used):
+                            db_total += tl.load(db_partial_ptr + s * N + ns, mask=ns < N, other=0.0,
+                                                cache_modifier=".cg")
+                        tl.store(db_ptr + ns, db_total.to(db_ptr.dtype.element_ty), mask=ns < N)
 
 
 @triton.jit
 def _grads_kernel(
     dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
-    M, N, K, dw_programs,
+    db_ptr, db_partial_ptr, M, N, K, dw_programs,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DO_DX: tl.constexpr, DO_DW: tl.constexpr,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start), then
-    dX's. One launch, so that with few kept rows the two small GEMMs share the GPU."""
+    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start; with
+    ``WITH_DB`` some also sum db), then dX's. One launch, so that with few kept rows the two
+    small GEMMs share the GPU."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     dx_pid = pid
@@ -312,9 +340,9 @@ def _grads_kernel(
         dx_pid = pid - dw_programs
         if pid < dw_programs:
             _dw_tile(
-                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, count, N, K,
-                stride_dym, stride_dyn, stride_xm, stride_xk,
-                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST,
+                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
+                count, N, K, stride_dym, stride_dyn, stride_xm, stride_xk,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST, WITH_DB,
             )
     if DO_DX:
         if dx_pid >= 0:
@@ -445,7 +473,7 @@ class _GemmPlan:
     gemm: dict  # constexprs and launch options of _grads_kernel
 
 
-def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _GemmPlan:
+def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device, config) -> _GemmPlan:
     dx_tile, dw_tile = config["dx"], config["dw"]
     dx_programs = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"]) if do_dx else 0
     dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
@@ -454,15 +482,16 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, config) -> _G
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, GATHER=gather, **_dot_options(dtype), **config["launch"],
+        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dw_tiles, split, gemm)
 
 
 @functools.lru_cache(maxsize=None)
-def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device) -> _GemmPlan:
+def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device) -> _GemmPlan:
     """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
-    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, gather, device, default_config(dtype, K, _INTERPRET))
+    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device,
+                            default_config(dtype, K, _INTERPRET))
 
 
 # ----------------------------------------------------------------------------- launches
@@ -558,10 +587,13 @@ def sebp_gemms(
     out_dtype: torch.dtype,
     *,
     compacted: bool,
+    bias_dtype: torch.dtype | None = None,
     config: dict | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero) and ``dW = (dY * keep[:, None])^T @
-    X`` (a sum over the kept rows only), in one launch (and a memset where dW is split over rows).
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero), ``dW = (dY * keep[:, None])^T @ X``
+    (a sum over the kept rows only) and, with ``bias_dtype``, ``db = sum(dY * keep[:, None])``,
+    in one launch (and a memset where dW is split over rows): dW's programs sum ``db`` from the
+    rows of ``dY`` they load, so ``dY`` is not read a second time.
 
     Args:
         dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
@@ -573,35 +605,43 @@ def sebp_gemms(
         count: ``(1,)`` int32 number of kept rows (device tensor).
         out_dtype: dtype of dW (the weight's).
         compacted: whether ``dy`` and ``x`` are the compacted copies.
+        bias_dtype: ``db``'s dtype, or ``None`` for no ``db``; needs ``x`` (dW's programs sum it).
         config: :func:`default_config`'s form; ``None`` takes the default.
 
     Returns:
-        ``dX`` ``(M, K)`` in ``dy``'s dtype and ``dW`` ``(N, K)`` in ``out_dtype``, each ``None``
-        where not asked for.
+        ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``out_dtype`` and ``db`` ``(N,)``
+        in ``bias_dtype`` (accumulated in float32), each ``None`` where not asked for.
     """
     check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
+    if bias_dtype is not None and x is None:
+        raise ValueError("sebp_gemms: `bias_dtype` needs `x`: db is summed by dW's programs.")
     M, N = dy.shape
     K = (weight if weight is not None else x).shape[1]
     device = dy.device
     dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=device)
     dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=device)
+    db = None if bias_dtype is None else torch.empty(N, dtype=bias_dtype, device=device)
     if M * N * K == 0:
-        return (None if dx is None else dx.zero_()), (None if dw is None else dw.zero_())
-    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, not compacted, device)
+        if db is not None and M * N:  # no in-features: no dW programs to sum db (a K = 0 layer)
+            raise ValueError("sebp_gemms: `bias_dtype` needs in-features (K > 0).")
+        return tuple(None if t is None else t.zero_() for t in (dx, dw, db))
+    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
-    partial = arrivals = count
+    partial = arrivals = db_partial = count
     if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
         arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
+        if db is not None:
+            db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
     _grads_kernel[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
-        M, N, K, plan.dw_programs,
+        count if db is None else db, db_partial, M, N, K, plan.dw_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
         *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
         **plan.gemm,
     )
-    return dx, dw
+    return dx, dw, db
 
 
 # The kept rows of dY and X are copied to contiguous buffers unless dY is as wide as a vocabulary:
@@ -642,7 +682,7 @@ def sebp_grads(
     copy = N <= _MAX_COPIED_COLUMNS
     perm, count, dy_kept, x_kept, db = _select_and_compact(
         dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
-    dx, dw = sebp_gemms(
+    dx, dw, _ = sebp_gemms(
         dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
         dy.dtype if x is None else x.dtype, compacted=copy,
     )

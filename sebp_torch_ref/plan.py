@@ -7,9 +7,10 @@ the plan's rows instead of scoring ``dY``: no select launch, no copies, the GEMM
 kept rows of ``dY`` and ``X`` through the plan's permutation. The permutation is made once per
 plan, on the device, at the first backward that needs it (no host synchronisation).
 
-A planned layer computes the dense backward of ``dY * mask[:, None]``, which is exact whenever
-every row outside the mask is zero in ``dY`` (padding that attention and the loss ignore); a
-superset of the non-zero rows is still exact. ``check=True`` reads ``dY`` in every planned layer
+A planned layer computes the dense backward of ``dY * mask[:, None]``, ``db`` included (summed
+over the kept rows by the GEMM launch that loads them: no second read of ``dY``), which is exact
+whenever every row outside the mask is zero in ``dY`` (padding that attention and the loss
+ignore); a superset of the non-zero rows is still exact. ``check=True`` reads ``dY`` in every planned layer
 and raises an error naming the layer when a row outside the mask is non-zero or non-finite.
 """
 
