@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from benchmarks import bert, workloads  # noqa: E402
+from benchmarks import bert, torch_graph, workloads  # noqa: E402
 from benchmarks.torch_graph import GraphedStep  # noqa: E402
 from sebp_torch_ref import apply_sebp, row_plan  # noqa: E402
 from parity_tests.tolerances import assert_close  # noqa: E402
@@ -102,6 +102,30 @@ def test_load_refuses_other_inputs():
         step.load(dict(batch, input_ids=batch["input_ids"][:, 1:]))
     with pytest.raises(ValueError, match="warmup_steps"):
         GraphedStep(model, None, batch, _planned, graphs=_EagerGraphs(), warmup_steps=0)
+
+
+def test_benchmark_captures_a_step_per_crossover_choice_and_replays_each_batch(monkeypatch):
+    """The runner's glue: one GraphedStep per crossover choice, each batch replayed on the step
+    of its own choice after being loaded (the eager stand-in for the graphs on CPU)."""
+    monkeypatch.setattr(torch_graph, "CudaGraphs", lambda torch: _EagerGraphs())
+    spec = bert.build(True)
+    variant = {v.name: v for v in workloads.VARIANTS}["torch-sebp-plan-graphed"]
+    torch.manual_seed(0)
+    model = workloads.torch_variant_model(spec, variant, "cpu")
+    batches, _ = workloads.workload_batches(spec, spec.workloads[0], 4, workloads.Settings(0, 3),
+                                            dynamic=False)
+    batches = [{k: torch.from_numpy(v).long() for k, v in b.items()} for b in batches]
+    dense_steps = [False, True, False]
+    steps = {}
+    workloads._capture_steps(steps, model, torch.optim.SGD(model.parameters(), lr=0.0), variant,
+                             batches[0], dense_steps)
+    assert set(steps) == {False, True}
+    clock = workloads._TorchClock(torch, "cpu")
+    for batch, dense in zip(batches, dense_steps):
+        marks = workloads._graphed_marks(steps, clock, [batch], [dense])
+        assert len(marks) == 1 and sorted(marks[0]) == list(marks[0])
+        with torch.no_grad():
+            assert_close(steps[dense].loss, model(**batch).loss, dtype="bfloat16")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
