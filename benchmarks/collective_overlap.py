@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-__all__ = ["is_collective", "union", "exposed_ms"]
+__all__ = ["COLLECTIVE_NEEDLES", "is_collective", "union", "exposed_ms"]
 
-_COLLECTIVE_NEEDLES = ("nccl", "all-gather", "allgather", "reduce-scatter", "reducescatter",
+COLLECTIVE_NEEDLES = ("nccl", "all-gather", "allgather", "reduce-scatter", "reducescatter",
                        "all-reduce", "allreduce", "all_gather", "reduce_scatter", "all_reduce")
 
 
 def is_collective(name: str) -> bool:
   """Whether a GPU kernel's name marks it as a collective (NCCL) kernel."""
   lowered = name.lower()
-  return any(needle in lowered for needle in _COLLECTIVE_NEEDLES)
+  return any(needle in lowered for needle in COLLECTIVE_NEEDLES)
 
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
