@@ -45,7 +45,8 @@ import numpy as np
 from benchmarks.workloads import (LR, REPO, WEIGHT_DECAY, ModelSpec, Settings, library_versions,
                                   random_params, versions_text, workload_batches)
 
-__all__ = ["MODELS", "Row", "run_model", "summarize", "markdown", "main"]
+__all__ = ["MODELS", "Row", "model_spec", "placement", "programs", "run_model", "summarize", "markdown",
+           "main"]
 
 TARGET_SPEEDUP_KEPT = 0.9   # N-GPU SEBP backward speedup over its 1-GPU speedup
 TARGET_SCALING_PER_GPU = 0.9  # N-GPU SEBP throughput over N times one GPU's
@@ -86,7 +87,7 @@ class Row:
   error: str | None = None
 
 
-def _spec(case: ModelCase, args: argparse.Namespace) -> ModelSpec:
+def model_spec(case: ModelCase, args: argparse.Namespace) -> ModelSpec:
   from benchmarks import bert, llama
 
   if case.name == "llama":
@@ -94,7 +95,7 @@ def _spec(case: ModelCase, args: argparse.Namespace) -> ModelSpec:
   return bert.build(args.tiny)
 
 
-def _placement(mesh, fsdp: bool):
+def placement(mesh, fsdp: bool):
   """``tree -> tree`` on ``mesh``: replicated, or FSDP-sharded when ``fsdp``."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -108,7 +109,7 @@ def _placement(mesh, fsdp: bool):
   return lambda tree: jax.tree.map(place, tree)
 
 
-def _programs(spec: ModelSpec, module, variant: str, mesh, optimizer):
+def programs(spec: ModelSpec, module, variant: str, mesh, optimizer):
   """The jitted ``fwd``, ``grad`` and ``step`` programs of ``variant`` on ``mesh``."""
   import jax
   import optax
@@ -152,9 +153,9 @@ def run_model(case: ModelCase, spec: ModelSpec, per_device: int, device_counts: 
   for devices in device_counts:
     mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:devices])
-    place = _placement(mesh, case.fsdp)
+    place = placement(mesh, case.fsdp)
     for variant in ("dense", "sebp"):
-      fwd, grad, step = _programs(spec, module, variant, mesh, optimizer)
+      fwd, grad, step = programs(spec, module, variant, mesh, optimizer)
       params = place(host_params)
       opt_state = place(jax.jit(optimizer.init)(params))
       for workload in spec.workloads:
@@ -352,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
   paths = []
   for name in args.models:
     case = MODELS[name]
-    spec = _spec(case, args)
+    spec = model_spec(case, args)
     spec = dataclasses.replace(spec, workloads=spec.workloads[:args.workloads])
     per_device = case.tiny_per_device_batch if args.tiny else case.per_device_batch
     for row in run_model(case, spec, per_device, (1, devices), settings, deadline):

@@ -26,13 +26,14 @@ import statistics
 import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
+from benchmarks.collective_overlap import COLLECTIVE_NEEDLES
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
   single_workload_parser, versions_text,
 )
 
-__all__ = ["kernel_family", "kernel_times", "profile_variant", "traced_kernel_times", "variant_entry",
-           "markdown_report"]
+__all__ = ["gpu_kernel_events", "kernel_family", "kernel_times", "profile_variant",
+           "traced_events", "traced_kernel_times", "variant_entry", "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
 # `pallas_call` names (sebp_jax.backends.pallas), the torch reference's Triton kernels their
@@ -45,6 +46,7 @@ _FAMILIES = (
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
   ("SEBP gather", ("sebp_gather", "_gather_kernel")),
   ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),
+  ("collectives (NCCL)", COLLECTIVE_NEEDLES),
   ("GEMM (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma")),
   ("copies", ("memcpy", "memset")),
   # torch's own kernels (benchmarks.profile_torch); XLA's fusions never carry these names.
@@ -70,20 +72,25 @@ def kernel_times(events: Iterable[dict], calls: int) -> dict[str, tuple[float, f
   timeline), except on threads that annotate XLA modules or ops, which span the kernels they
   launch and would count them twice. ``calls``: how many program calls the trace holds.
   """
+  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for e in gpu_kernel_events(events):
+    totals[e["name"]][0] += e.get("dur", 0.0)
+    totals[e["name"]][1] += 1
+  return {name: (us / 1e3 / calls, n / calls) for name, (us, n) in totals.items()}
+
+
+def gpu_kernel_events(events: Iterable[dict]) -> list[dict]:
+  """The kernel events of a trace's device timelines: complete events (``"ph": "X"``) of
+  processes whose name contains ``GPU`` (one process per device, its ``pid``), except on threads
+  that annotate XLA modules or ops, which span the kernels they launch."""
   events = list(events)
   processes = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-  for e in events:
-    if e.get("ph") != "X" or "GPU" not in processes.get(e.get("pid"), ""):
-      continue
-    if "XLA" in threads.get((e.get("pid"), e.get("tid")), ""):
-      continue
-    totals[e["name"]][0] += e.get("dur", 0.0)
-    totals[e["name"]][1] += 1
-  return {name: (us / 1e3 / calls, n / calls) for name, (us, n) in totals.items()}
+  return [e for e in events
+          if e.get("ph") == "X" and "GPU" in processes.get(e.get("pid"), "")
+          and "XLA" not in threads.get((e.get("pid"), e.get("tid")), "")]
 
 
 def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
@@ -98,12 +105,18 @@ def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
 def traced_kernel_times(run: Callable[[], Any], calls: int) -> dict[str, tuple[float, float]]:
   """:func:`kernel_times` of what ``run()`` launches (``calls`` program calls), traced with
   ``jax.profiler``; ``run`` must block until its results are ready."""
+  return kernel_times(traced_events(run), calls)
+
+
+def traced_events(run: Callable[[], Any]) -> list[dict]:
+  """The trace events of what ``run()`` launches, traced with ``jax.profiler``; ``run`` must
+  block until its results are ready."""
   import jax
 
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       run()
-    return kernel_times(_trace_events(pathlib.Path(trace_dir)), calls)
+    return _trace_events(pathlib.Path(trace_dir))
 
 
 def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,

@@ -1,0 +1,48 @@
+"""The per-device breakdown of benchmarks.profile_multi_device, on hand-made trace events."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import profile_multi_device
+
+
+def _kernel(pid, name, ts, dur, tid=1):
+  return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def test_device_breakdown_per_device_and_step():
+  # Two steps on two devices (µs). Device 1: a GEMM 0-1000, an all-gather on another stream
+  # 800-1500 and a fusion 1400-1600, which cover 200 + 100 of the all-gather's 700; device 2: a
+  # reduce-scatter 0-400 with no compute beside it, and a fusion 500-700.
+  events = [
+    _kernel(1, "nvjet_sm90_tst_128x128", 0, 1000),
+    _kernel(1, "ncclDevKernel_AllGather_RING_LL", 800, 700, tid=2),
+    _kernel(1, "loop_add_fusion", 1400, 200),
+    _kernel(2, "ncclDevKernel_ReduceScatter_RING_LL", 0, 400, tid=2),
+    _kernel(2, "loop_add_fusion", 500, 200),
+  ]
+  first, second = profile_multi_device.device_breakdown(events, steps=2)
+  assert first["device"] == 1 and second["device"] == 2
+  # Busy is the union of the kernels' intervals (0-1600), not their sum (1900).
+  assert first["busy_ms"] == pytest.approx(1.6 / 2)
+  assert first["collective_ms"] == pytest.approx(0.7 / 2)
+  assert first["exposed_collective_ms"] == pytest.approx(0.4 / 2)  # 1000-1400
+  assert first["launches"] == pytest.approx(1.5)
+  assert first["families"] == pytest.approx({"GEMM (cuBLAS)": 0.5, "collectives (NCCL)": 0.35,
+                                             "XLA fusions, other": 0.1})
+  assert second["exposed_collective_ms"] == pytest.approx(0.2)
+  assert second["busy_ms"] == pytest.approx(0.3)
+
+
+def test_markdown_names_every_device_and_family():
+  row = {"model": "llama", "parallelism": "fsdp", "per_device_batch": 2, "workload": "piqa",
+         "active_fraction": 0.02, "variant": "sebp", "step_ms": 10.0, "step_ms_min": 9.0,
+         "step_ms_max": 11.0,
+         "per_device": profile_multi_device.device_breakdown(
+           [_kernel(0, "ncclDevKernel_AllGather", 0, 500), _kernel(1, "sebp_dx", 0, 300)], 1)}
+  text = profile_multi_device.markdown({"devices": 2, "gpu": "GPU", "steps": 1, "note": "",
+                                        "rows": [row]})
+  assert "| sebp | 10.00 (9.00–11.00) | 0 | 0.50 | 0.50 | 0.50 | 1 |" in text
+  assert "| sebp | 10.00 (9.00–11.00) | 1 | 0.30 | 0.00 | 0.00 | 1 |" in text
+  assert "| collectives (NCCL) | 0.50 |" in text
