@@ -114,7 +114,8 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # give a few dozen dX tiles, each streaming all of N alone; steps of 128 columns four deep
   # keep more of W in flight per program: MLP up 0.154 -> 0.120 ms at 2 %, 0.170 -> 0.132 at
   # 5 %, 0.241 -> 0.233 at 21 %; q/o 0.089 -> 0.069 at 2 % but +10 % at 21 %; down within
-  # -0 / +12 % (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection).
+  # -0 / +12 % (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection). The
+  # LLaMA b1 model step did not move with it (benchmarks/NOTES.md, "v8"): not understood yet.
   ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
   # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
   # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
