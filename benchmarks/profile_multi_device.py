@@ -47,9 +47,7 @@ def device_breakdown(events: Sequence[dict], steps: int) -> list[dict]:
   out = []
   for pid in sorted(by_device):
     kernels = by_device[pid]
-    families: dict[str, float] = collections.Counter()
-    for event in kernels:
-      families[profile_step.kernel_family(event["name"])] += event.get("dur", 0.0) / 1e3 / steps
+    families = profile_step.family_times(profile_step.per_kernel_times(kernels, steps))
     busy = sum(end - start for start, end in union(
       (e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)) / 1e3 / steps
     collective = sum(e.get("dur", 0.0) for e in kernels if is_collective(e["name"])) / 1e3 / steps

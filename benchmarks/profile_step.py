@@ -32,7 +32,8 @@ from benchmarks.workloads import (
   single_workload_parser, versions_text,
 )
 
-__all__ = ["gpu_kernel_events", "kernel_family", "kernel_times", "profile_variant",
+__all__ = ["family_times", "gpu_kernel_events", "kernel_family", "kernel_times",
+           "per_kernel_times", "profile_variant",
            "traced_events", "traced_kernel_times", "variant_entry", "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
@@ -72,11 +73,25 @@ def kernel_times(events: Iterable[dict], calls: int) -> dict[str, tuple[float, f
   timeline), except on threads that annotate XLA modules or ops, which span the kernels they
   launch and would count them twice. ``calls``: how many program calls the trace holds.
   """
+  return per_kernel_times(gpu_kernel_events(events), calls)
+
+
+def per_kernel_times(kernel_events: Iterable[dict], calls: int) -> dict[str, tuple[float, float]]:
+  """``kernel name -> (ms per call, launches per call)`` of kernel events already picked out of a
+  trace (:func:`gpu_kernel_events`), ``calls`` program calls."""
   totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-  for e in gpu_kernel_events(events):
+  for e in kernel_events:
     totals[e["name"]][0] += e.get("dur", 0.0)
     totals[e["name"]][1] += 1
   return {name: (us / 1e3 / calls, n / calls) for name, (us, n) in totals.items()}
+
+
+def family_times(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
+  """``kernels`` (name -> (ms, launches)) summed per :func:`kernel_family`, largest first."""
+  families: dict[str, float] = collections.defaultdict(float)
+  for kernel, (ms, _) in kernels.items():
+    families[kernel_family(kernel)] += ms
+  return dict(sorted(families.items(), key=lambda item: -item[1]))
 
 
 def gpu_kernel_events(events: Iterable[dict]) -> list[dict]:
@@ -150,16 +165,13 @@ def variant_entry(name: str, walls: Sequence[float],
                   kernels: dict[str, tuple[float, float]]) -> dict:
   """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
   ``kernels`` (name -> (ms, launches) per call) summed per family, and the top kernels."""
-  families: dict[str, float] = collections.defaultdict(float)
-  for kernel, (ms, _) in kernels.items():
-    families[kernel_family(kernel)] += ms
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
     "variant": name,
     "wall_ms": statistics.median(walls),
     "busy_ms": sum(ms for ms, _ in kernels.values()),
     "launches": sum(n for _, n in kernels.values()),
-    "families": dict(sorted(families.items(), key=lambda item: -item[1])),
+    "families": family_times(kernels),
     "kernels": [[kernel, kernel_family(kernel), ms, n] for kernel, (ms, n) in ranked[:_TOP]],
   }
 

@@ -10,7 +10,6 @@ rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/b
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import json
@@ -79,10 +78,8 @@ def _family_times(fn, input_sets) -> dict[str, float]:
   jax.block_until_ready(jitted(*input_sets[0]))
   kernels = profile_step.traced_kernel_times(
     lambda: [jax.block_until_ready(jitted(*args)) for args in input_sets], len(input_sets))
-  totals = collections.Counter()
-  for kernel, (ms, _) in kernels.items():
-    totals[profile_step.kernel_family(kernel)] += ms
-  return {"busy": sum(totals.values()), **dict(totals.most_common())}
+  families = profile_step.family_times(kernels)
+  return {"busy": sum(families.values()), **families}
 
 
 def main() -> None:
