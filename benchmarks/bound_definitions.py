@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from benchmarks.workloads import (
   Settings, free_linear_backward, prepared_workload, single_workload_parser, versions_text,
+  xla_flags_text,
 )
 
 __all__ = ["DEFINITIONS", "hlo_instructions", "measure", "markdown_table"]
@@ -115,7 +116,7 @@ def markdown_table(result: dict) -> str:
     "",
     "Device time per call (median slope over distinct batches), backward = loss-and-gradients − "
     f"forward; instructions of the compiled loss-and-gradients program. Versions: "
-    f"{versions_text(result['versions'])}.",
+    f"{versions_text(result['versions'])}.{xla_flags_text(result)}",
     "",
     "| definition | fwd ms | fwd+bwd ms | bwd ms | bwd × dense | HLO instructions |",
     "|---|---|---|---|---|---|",

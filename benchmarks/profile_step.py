@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 from benchmarks.collective_overlap import COLLECTIVE_NEEDLES
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
-  single_workload_parser, versions_text,
+  single_workload_parser, versions_text, xla_flags_text,
 )
 
 __all__ = ["family_times", "gpu_kernel_events", "kernel_family", "kernel_times",
@@ -187,7 +187,7 @@ def markdown_report(result: dict) -> str:
     "",
     "GPU time per call in ms, summed over the kernels of each family, averaged over "
     f"{result['traced_calls']} traced calls; wall is the median of host-timed calls. Versions: "
-    f"{versions_text(result['versions'])}.",
+    f"{versions_text(result['versions'])}.{xla_flags_text(result)}",
     "",
     "| | " + " | ".join(v["variant"] for v in variants) + " |",
     "|---|" + "---|" * len(variants),

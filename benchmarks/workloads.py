@@ -95,13 +95,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from sebp_jax import xla_flags
+
 __all__ = [
   "LENGTHS_FILE", "TOKENIZERS", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "BASELINE",
   "EINSUM_BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text", "single_workload_parser", "prepared_workload", "TORCH_CROSSOVER",
+  "versions_text", "single_workload_parser", "add_xla_flags_option", "apply_xla_flags_option",
+  "xla_flags_text", "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
@@ -511,7 +514,30 @@ def single_workload_parser(prog: str) -> argparse.ArgumentParser:
   parser.add_argument("--workload", required=True)
   parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
   parser.add_argument("--out-dir", type=pathlib.Path, required=True)
+  add_xla_flags_option(parser)
   return parser
+
+
+def add_xla_flags_option(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--xla-command-buffers", action="store_true",
+                      help="run with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS (conditionals "
+                           "inside CUDA graphs) added to XLA_FLAGS")
+
+
+def apply_xla_flags_option(args: argparse.Namespace) -> str:
+  """``XLA_FLAGS`` for this run and the worker processes it starts, with
+  :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` added under ``--xla-command-buffers``
+  (before JAX starts its backends: otherwise :func:`~sebp_jax.xla_flags.enable_command_buffers`
+  raises). Recorded in every result's header."""
+  if args.xla_command_buffers:
+    xla_flags.enable_command_buffers()
+  return os.environ.get("XLA_FLAGS", "")
+
+
+def xla_flags_text(result: dict) -> str:
+  """`` XLA_FLAGS: `...`.`` for a result's header line, or nothing for results without it."""
+  flags = result.get("xla_flags")
+  return "" if flags is None else f" XLA_FLAGS: `{flags or '(none)'}`."
 
 
 def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -525,6 +551,7 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
     ``batch``, ``workload``, ``active_fraction``, ``versions``); and ``<model>[_tiny]_b<batch>_
     <workload>``, to name its files. A ``--workload`` the model lacks is a parser error.
   """
+  flags = apply_xla_flags_option(args)
   import jax
 
   from benchmarks.timing import environment
@@ -538,7 +565,8 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
                                           dynamic=False)
   header = {"benchmark": spec.name, "gpu": environment()["device"],
             "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
-            "workload": args.workload, "active_fraction": active, "versions": library_versions()}
+            "workload": args.workload, "active_fraction": active, "versions": library_versions(),
+            "xla_flags": flags}
   stem = f"{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
   return (spec, module, random_params(module, spec), [jax.device_put(b) for b in host_batches],
           header, stem)
@@ -938,6 +966,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds for the whole run: a variant gets at most what is left, "
                            "and variants with nothing left become error rows")
   parser.add_argument("--tag", default="", help="appended to the result files' names")
+  add_xla_flags_option(parser)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--worker-out", type=pathlib.Path, help=argparse.SUPPRESS)
   return parser
@@ -970,6 +999,7 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   if settings.warmup < 0 or settings.steps < 1:
     raise SystemExit("--warmup must be >= 0 and --steps >= 1")
   by_name = {v.name: v for v in VARIANTS}
+  flags = apply_xla_flags_option(args)
   if args.worker:
     _worker(spec, by_name[args.worker], settings, args.worker_out)
     return []
@@ -978,7 +1008,8 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   header: dict[str, Any] = {"benchmark": spec.name, "gpu": None, "platform": None,
                             "dtype": "bfloat16", "seq_len": spec.seq_len,
                             "batch_sizes": list(spec.batch_sizes), "warmup": settings.warmup,
-                            "steps": settings.steps, "versions": library_versions(), "rows": []}
+                            "steps": settings.steps, "versions": library_versions(), "xla_flags": flags,
+                            "rows": []}
   # Runs split by batch size (to fit a time limit) write files of their own.
   stem = spec.name + ("_tiny" if args.tiny else "") + "".join(
     f"_b{b}" for b in (args.batches or ())) + (f"_{args.tag}" if args.tag else "")
@@ -1050,7 +1081,7 @@ def markdown_table(result: dict) -> str:
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
     "Speedups are jax-dense's time over the variant's (`python -m benchmarks.summary` gives each "
     "framework's own; jax-dense-einsum's for the einsum-built variants). bwd spread: (max − min) / median of the torch backward over the steps. "
-    f"Versions: {versions_text(result['versions'])}."
+    f"Versions: {versions_text(result['versions'])}.{xla_flags_text(result)}"
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),
     "",

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import resource
 import statistics
 import time
@@ -725,7 +726,8 @@ def _report(config: FinetuneConfig, run_dir: Path, summary: dict,
     f"{summary['weights']}; {config.steps} AdamW steps of {config.batch_size} sequences padded "
     f"to {config.max_length} tokens (median length {stats['median']:.0f}, "
     f"{stats['real_token_fraction']:.0%} real tokens; {summary['truncated']} training examples "
-    f"truncated); dtype {config.dtype}; device {summary['device']}; {summary['mesh']}.", "",
+    f"truncated); dtype {config.dtype}; device {summary['device']}; {summary['mesh']}; "
+    f"XLA_FLAGS `{summary['xla_flags'] or '(none)'}`.", "",
     "```", *_summary_lines(config, summary), "```", "",
     "Forward and backward are medians over the same batches and parameters for both variants "
     "(backward = value_and_grad - forward); the train step time is the median over the training "
@@ -856,7 +858,7 @@ def finetune(
   summary = {
     "summary": True, "model": config.model, "task": config.task, "weights": setup.spec.weights,
     "device": f"{device.platform}:{getattr(device, 'device_kind', device)}", "impl": impl,
-    "mesh": placement.describe(),
+    "mesh": placement.describe(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
     "length_stats": stats, "truncated": setup.truncated, "timing": timing,
     "backward_speedup": None if timing is None else
       timing["dense"]["backward_ms"] / max(timing["sebp"]["backward_ms"], 1e-9),
