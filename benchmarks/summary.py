@@ -26,13 +26,15 @@ __all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_su
 BOUND = "jax-bound"
 # framework -> (its dense variant, its bound variant); a CUDA-graphed torch step is compared with
 # the graphed dense and bound steps (the same host overhead: none).
+# A JAX step under the command-buffer flags likewise with dense and the bound under them.
 REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound"),
-              "torch-graphed": ("torch-dense-graphed", "torch-bound-graphed")}
+              "torch-graphed": ("torch-dense-graphed", "torch-bound-graphed"),
+              "jax-cmdbuf": ("jax-dense-cmdbuf", "jax-bound-cmdbuf")}
 
 
 def _references(row: dict) -> tuple[str, str]:
-  graphed = row["variant"].endswith("-graphed")
-  return REFERENCES[row["framework"] + ("-graphed" if graphed else "")]
+  suffix = next((s for s in ("-graphed", "-cmdbuf") if row["variant"].endswith(s)), "")
+  return REFERENCES[row["framework"] + suffix]
 
 
 def way_to_bound(dense_ms: float, variant_ms: float, bound_ms: float) -> float:

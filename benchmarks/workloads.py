@@ -99,7 +99,7 @@ from sebp_jax import xla_flags
 
 __all__ = [
   "LENGTHS_FILE", "TOKENIZERS", "GLUE_STATS", "Workload", "Variant", "VARIANTS", "BASELINE",
-  "EINSUM_BASELINE",
+  "EINSUM_BASELINE", "COMMAND_BUFFERS_BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
@@ -240,7 +240,9 @@ class Variant:
   :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
   step captured in CUDA graphs and replayed per batch. ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
-  does."""
+  does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
+  :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
+  same variant without them in the same run."""
 
   name: str
   framework: str
@@ -251,10 +253,14 @@ class Variant:
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
+  command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
 
   @property
   def baseline(self) -> str:
-    """The variant whose times this one's speedups divide: the dense run of the same model."""
+    """The variant whose times this one's speedups divide: the dense run of the same model,
+    under the same XLA flags."""
+    if self.command_buffers:
+      return COMMAND_BUFFERS_BASELINE
     return EINSUM_BASELINE if self.layers == "einsum" else BASELINE
 
 
@@ -285,9 +291,16 @@ VARIANTS: tuple[Variant, ...] = (
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
   Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
   Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),
+  # The crossover's conditional captured in command buffers (sebp_jax.xla_flags): dense, the
+  # bound and the row plan under the same flags, for an A/B within one run.
+  Variant("jax-dense-cmdbuf", "jax", "dense", command_buffers=True),
+  Variant("jax-bound-cmdbuf", "jax", "bound", command_buffers=True),
+  Variant("jax-sebp-pallas-plan-cmdbuf", "jax", "pallas", per_batch=True, rows=True,
+          command_buffers=True),
 )
 BASELINE = "jax-dense"
 EINSUM_BASELINE = "jax-dense-einsum"
+COMMAND_BUFFERS_BASELINE = "jax-dense-cmdbuf"
 
 
 def _free_matmul_fwd(x, kernel):
@@ -921,6 +934,8 @@ def _in_subprocess(spec: ModelSpec, variant: Variant, settings: Settings, argv: 
     # The JAX allocator takes 75 % of the GPU by default; LLaMA-3B at batch 4 needs more.
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if variant.command_buffers:
+      env["XLA_FLAGS"] = xla_flags.with_command_buffer_flags(env.get("XLA_FLAGS", ""))
     command = [sys.executable, "-m", f"benchmarks.{spec.name}", *argv,
                "--worker", variant.name, "--worker-out", str(out)]
     error = None
@@ -966,7 +981,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds for the whole run: a variant gets at most what is left, "
                            "and variants with nothing left become error rows")
   parser.add_argument("--tag", default="", help="appended to the result files' names")
-  add_xla_flags_option(parser)
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--worker-out", type=pathlib.Path, help=argparse.SUPPRESS)
   return parser
@@ -992,14 +1006,14 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   args = _parser().parse_args(argv)
   spec = _select(build(args.tiny), args)
   if args.variants is None:
-    args.variants = [v.name for v in VARIANTS
-                     if v.layers == "dense" or spec.jax_einsum_module is not None]
+    # The command-buffer A/B variants only when asked for: three more compilations per run.
+    args.variants = [v.name for v in VARIANTS if not v.command_buffers
+                     and (v.layers == "dense" or spec.jax_einsum_module is not None)]
   settings = Settings(spec.warmup if args.warmup is None else args.warmup,
                       spec.steps if args.steps is None else args.steps)
   if settings.warmup < 0 or settings.steps < 1:
     raise SystemExit("--warmup must be >= 0 and --steps >= 1")
   by_name = {v.name: v for v in VARIANTS}
-  flags = apply_xla_flags_option(args)
   if args.worker:
     _worker(spec, by_name[args.worker], settings, args.worker_out)
     return []
@@ -1008,8 +1022,8 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
   header: dict[str, Any] = {"benchmark": spec.name, "gpu": None, "platform": None,
                             "dtype": "bfloat16", "seq_len": spec.seq_len,
                             "batch_sizes": list(spec.batch_sizes), "warmup": settings.warmup,
-                            "steps": settings.steps, "versions": library_versions(), "xla_flags": flags,
-                            "rows": []}
+                            "steps": settings.steps, "versions": library_versions(),
+                            "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
   # Runs split by batch size (to fit a time limit) write files of their own.
   stem = spec.name + ("_tiny" if args.tiny else "") + "".join(
     f"_b{b}" for b in (args.batches or ())) + (f"_{args.tag}" if args.tag else "")
@@ -1023,6 +1037,10 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
     if left < 10:
       environment = None
       variant_rows = _error_rows(spec, variant, settings, "skipped: --time-budget spent")
+    elif args.in_process and variant.command_buffers:
+      environment = None
+      variant_rows = _error_rows(spec, variant, settings, "skipped: its XLA_FLAGS need a worker "
+                                 "process of their own (not --in-process)")
     elif args.in_process:
       environment, variant_rows = None, []
       try:

@@ -71,3 +71,15 @@ def test_markdown_summary_writes_one_row_per_variant():
           "| 1.020× |") in text
   assert "| 4 | torch-dense | 0.50× | 0.50× | 1.00× | – | – | – |" in text
   assert "| 4 | torch-sebp | 1.25× | 0.62× | 2.50× | 75 % | – | – |" in text
+
+
+def test_command_buffer_variants_compare_with_dense_and_bound_under_the_same_flags():
+  result = {**RESULT, "rows": RESULT["rows"] + [
+    _row("a", "jax-dense-cmdbuf", bwd=8.0, step=16.0),
+    _row("a", "jax-bound-cmdbuf", bwd=2.0, step=10.0),
+    _row("a", "jax-sebp-pallas-plan-cmdbuf", bwd=4.0, step=12.0),
+  ]}
+  plan = summary.variant_ranges(result)[(4, "jax-sebp-pallas-plan-cmdbuf")]
+  assert plan["own_bwd_x"] == (2.0, 2.0)           # 8 / 4, not jax-dense's 10 / 4
+  assert plan["way"] == (2 / 3, 2 / 3)             # (8-4)/(8-2)
+  assert plan["bwd_x"] == (2.0, 2.0)               # over jax-dense-cmdbuf too (Variant.baseline)

@@ -327,15 +327,48 @@ def test_llama_torch_model_without_the_padding_mask_is_exact():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
-def test_einsum_built_variants_divide_their_own_dense_run():
-  # The einsum-built model's SEBP speedup is over the einsum-built dense run, not jax-dense.
+@pytest.mark.parametrize("dense,sebp", [("jax-dense-einsum", "jax-sebp-pallas-einsum"),
+                                        ("jax-dense-cmdbuf", "jax-sebp-pallas-plan-cmdbuf")])
+def test_variants_divide_their_own_dense_run(dense, sebp):
+  # The einsum-built model's SEBP speedup is over the einsum-built dense run, and a variant under
+  # the command-buffer flags over dense under the same flags: not over jax-dense.
   def row(variant, bwd_ms, step_ms):
     return {"workload": "piqa", "batch": 1, "variant": variant, "error": None,
             "bwd_ms": bwd_ms, "step_ms": step_ms}
 
   rows = [row("jax-dense", 10.0, 20.0), row("jax-sebp-pallas", 5.0, 16.0),
-          row("jax-dense-einsum", 12.0, 24.0), row("jax-sebp-pallas-einsum", 4.0, 16.0)]
+          row(dense, 12.0, 24.0), row(sebp, 4.0, 16.0)]
   ratios = workloads.speedups(rows)
   assert ratios[("piqa", 1, "jax-sebp-pallas")] == (2.0, 1.25)
-  assert ratios[("piqa", 1, "jax-sebp-pallas-einsum")] == (3.0, 1.5)
-  assert ratios[("piqa", 1, "jax-dense-einsum")] == (1.0, 1.0)
+  assert ratios[("piqa", 1, sebp)] == (3.0, 1.5)
+  assert ratios[("piqa", 1, dense)] == (1.0, 1.0)
+
+
+def test_command_buffer_variants_get_the_flags_in_their_worker_only(monkeypatch):
+  """The A/B variants' worker processes run with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS added
+  to the caller's XLA_FLAGS; the other variants' with the caller's alone."""
+  from sebp_jax import xla_flags
+
+  seen = {}
+
+  def fake_run(command, *, env, **kwargs):
+    seen[command[command.index("--worker") + 1]] = env["XLA_FLAGS"]
+    return subprocess.CompletedProcess(command, 0)
+
+  monkeypatch.setattr(workloads.subprocess, "run", fake_run)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/x")
+  # The worker writes no rows here, so the runner reads only these fields of the spec.
+  spec = type("Spec", (), {"name": "bert", "batch_sizes": (), "workloads": ()})()
+  for name in ("jax-dense", "jax-dense-cmdbuf"):
+    variant = {v.name: v for v in workloads.VARIANTS}[name]
+    workloads._in_subprocess(spec, variant, workloads.Settings(0, 1), [], 10.0)
+  assert seen["jax-dense"] == "--xla_dump_to=/x"
+  assert seen["jax-dense-cmdbuf"].split() == ["--xla_dump_to=/x", *xla_flags.COMMAND_BUFFER_FLAGS]
+
+
+def test_command_buffer_variants_are_opt_in_and_skipped_in_process(tmp_path):
+  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants",
+                "jax-dense", "jax-dense-cmdbuf")
+  skipped = [r for r in result["rows"] if r["variant"] == "jax-dense-cmdbuf"]
+  assert skipped and all("worker process of their own" in r["error"] for r in skipped)
+  assert [r["error"] for r in result["rows"] if r["variant"] == "jax-dense"] == [None]

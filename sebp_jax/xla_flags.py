@@ -9,8 +9,10 @@ BERT-base b32 loss-and-gradients call (glue_sst2), 1.8 ms of LLaMA-3.2-3B's at b
 conditionals and loops captured in command buffers (:data:`COMMAND_BUFFER_FLAGS`) they are gone
 and that call takes 19.8 ms instead of 21.1 (row plan, wall; GPU busy 16.7 instead of 17.6). The
 whole training step did not follow in the one benchmark run made (``benchmarks/NOTES.md``, "v9"),
-so the flags are opt-in (the model benchmarks take ``--xla-command-buffers``); the benchmarks'
-results and ``sebp finetune``'s report name the ``XLA_FLAGS`` they ran with.
+so the flags are opt-in: the model benchmarks' ``-cmdbuf`` variants run dense, the bound and the
+row plan under them beside the same variants without, and ``benchmarks.profile_step`` takes
+``--xla-command-buffers``; result files and ``sebp finetune``'s report name the ``XLA_FLAGS``
+they ran with.
 
 The flags are process-wide and read once, when JAX creates its GPU backend, so this module only
 edits ``XLA_FLAGS``; it never imports JAX's backend itself:
