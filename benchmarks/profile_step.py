@@ -33,7 +33,7 @@ from benchmarks.workloads import (
 )
 
 __all__ = ["family_times", "gpu_kernel_events", "kernel_family", "kernel_times",
-           "per_kernel_times", "profile_variant",
+           "memset_neighbours", "per_kernel_times", "profile_variant",
            "traced_events", "traced_kernel_times", "variant_entry", "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
@@ -55,6 +55,10 @@ _FAMILIES = (
 )
 OTHER = "XLA fusions, other"
 _TOP = 15  # kernels listed by name per variant
+# Memsets at least this long are listed with their neighbours: a memset of a few hundred bytes
+# (cuBLAS's and cuDNN's own, ~1 µs) is launch cost; one that zeroes megabytes is work someone
+# asked for (benchmarks/NOTES.md, "v9": 8-17 µs ones next to cuDNN attention inside a lax.cond).
+_LARGE_MEMSET_US = 3.0
 
 
 def kernel_family(name: str) -> str:
@@ -84,6 +88,30 @@ def per_kernel_times(kernel_events: Iterable[dict], calls: int) -> dict[str, tup
     totals[e["name"]][0] += e.get("dur", 0.0)
     totals[e["name"]][1] += 1
   return {name: (us / 1e3 / calls, n / calls) for name, (us, n) in totals.items()}
+
+
+def memset_neighbours(kernel_events: Iterable[dict], calls: int, *,
+                      min_us: float = _LARGE_MEMSET_US) -> list[list]:
+  """Memsets of at least ``min_us`` each, by the kernels launched just before and after them on
+  the same stream: ``[[previous, next, ms per call, memsets per call], ...]``, largest first.
+
+  A memset names no buffer; its neighbours on the stream say which call asked for it. A
+  neighbour is ``"-"`` at either end of a stream, and may itself be a memset (a run of them).
+  """
+  streams: dict[tuple, list[dict]] = collections.defaultdict(list)
+  for e in kernel_events:
+    streams[(e["pid"], e["tid"])].append(e)
+  totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for stream in streams.values():
+    stream.sort(key=lambda e: e["ts"])
+    names = ["-", *(e["name"] for e in stream), "-"]
+    for i, e in enumerate(stream):
+      if "memset" in e["name"].lower() and e.get("dur", 0.0) >= min_us:
+        total = totals[(names[i], names[i + 2])]
+        total[0] += e["dur"]
+        total[1] += 1
+  ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+  return [[before, after, us / 1e3 / calls, n / calls] for (before, after), (us, n) in ranked]
 
 
 def family_times(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -153,18 +181,20 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   warm, timed = batches[0], batches[1:]
   jax.block_until_ready(grad_fn(params, warm))
   walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
-  kernels = traced_kernel_times(
-    lambda: [jax.block_until_ready(grad_fn(params, batch)) for batch in timed], len(timed))
-  if not kernels:
+  events = gpu_kernel_events(traced_events(
+    lambda: [jax.block_until_ready(grad_fn(params, batch)) for batch in timed]))
+  if not events:
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
-  return variant_entry(variant.name, walls, kernels)
+  return variant_entry(variant.name, walls, per_kernel_times(events, len(timed)),
+                       memset_neighbours(events, len(timed)))
 
 
-def variant_entry(name: str, walls: Sequence[float],
-                  kernels: dict[str, tuple[float, float]]) -> dict:
+def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[float, float]],
+                  memsets: list[list] | None = None) -> dict:
   """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
-  ``kernels`` (name -> (ms, launches) per call) summed per family, and the top kernels."""
+  ``kernels`` (name -> (ms, launches) per call) summed per family, the top kernels, and
+  ``memsets`` (:func:`memset_neighbours`) where given."""
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
     "variant": name,
@@ -173,6 +203,7 @@ def variant_entry(name: str, walls: Sequence[float],
     "launches": sum(n for _, n in kernels.values()),
     "families": family_times(kernels),
     "kernels": [[kernel, kernel_family(kernel), ms, n] for kernel, (ms, n) in ranked[:_TOP]],
+    **({} if memsets is None else {"memsets": memsets}),
   }
 
 
@@ -203,6 +234,12 @@ def markdown_report(result: dict) -> str:
               "| kernel | family | ms | launches |", "|---|---|---|---|"]
     lines += [f"| `{name[:90]}` | {family} | {ms:.3f} | {n:.0f} |"
               for name, family, ms, n in v["kernels"]]
+    if v.get("memsets"):
+      lines += ["", f"Memsets of at least {_LARGE_MEMSET_US:g} µs, by the kernels just before "
+                "and after them on the stream:", "",
+                "| before | after | ms | memsets per call |", "|---|---|---|---|"]
+      lines += [f"| `{before[:60]}` | `{after[:60]}` | {ms:.3f} | {n:g} |"
+                for before, after, ms, n in v["memsets"][:_TOP]]
   return "\n".join(lines) + "\n"
 
 

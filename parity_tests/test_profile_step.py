@@ -66,6 +66,30 @@ def test_kernel_times_sums_device_kernels_once_per_call():
   assert times == {"nvjet_a": (0.2, 2.0), "sebp_dx": (0.04, 1.0)}
 
 
+def test_memset_neighbours_name_the_kernels_around_large_memsets():
+  def at(name, ts, dur, tid=13):
+    return {"ph": "X", "pid": 1, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+  # Two calls; listed out of time order, as a trace may hold them.
+  events = [
+    at("cudnn_fprop", 30.0, 5.0), at("Memset 3", 20.0, 8.0), at("sebp_dx", 0.0, 10.0),
+    at("Memset 3", 25.0, 1.0),                      # small: launch cost, not listed
+    at("sebp_dx", 100.0, 10.0), at("Memset 3", 120.0, 8.0), at("cudnn_fprop", 130.0, 5.0),
+    at("Memset (Device)", 0.0, 16.0, tid=7),        # alone on another stream
+  ]
+  got = profile_step.memset_neighbours(events, calls=2)
+  assert got == [["-", "-", 0.008, 0.5],
+                 ["sebp_dx", "Memset 3", 0.004, 0.5],   # the run: first memset, then the small one
+                 ["sebp_dx", "cudnn_fprop", 0.004, 0.5]]
+  assert profile_step.memset_neighbours(events, calls=2, min_us=10.0) == [["-", "-", 0.008, 0.5]]
+  entry = profile_step.variant_entry("v", [1.0], {"sebp_dx": (0.01, 1.0)}, got)
+  report = profile_step.markdown_report({
+    "benchmark": "bert", "gpu": "H100", "dtype": "bfloat16", "batch": 2, "seq_len": 8,
+    "workload": "trec", "active_fraction": 0.5, "traced_calls": 2, "versions": {"jax": "0"},
+    "variants": [entry]})
+  assert "| `sebp_dx` | `cudnn_fprop` | 0.004 | 0.5 |" in report
+
+
 def test_trace_events_reads_what_jax_profiler_writes(tmp_path):
   square = jax.jit(lambda x: x * x)
   x = jax.numpy.ones((8,))
