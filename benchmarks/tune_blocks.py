@@ -62,6 +62,11 @@ CANDIDATES = {
   "dx_split8": _Config(dx_split=8),
   "dx_split8_fill264": _Config(dx_split=8, dx_fill=264),
   "dx_split8_fill264_n128": _Config(dx_split=8, dx_fill=264, dx_n=128),
+  # No gather: the GEMMs read the kept rows in place through the permutation (as the vocabulary
+  # class does). At a few dozen kept rows the gather is a launch and ~8 µs of a ~0.1 ms layer
+  # (benchmarks/NOTES.md, "v8"), and the GEMMs stream W, not the rows.
+  "in_place": _Config(compact=False),
+  "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
 _BASELINES = ("dense", "ideal", "xla", "selection")
 
@@ -121,9 +126,11 @@ def main() -> None:
       timings = {name: baselines[name]() for name in args.baselines}
       families = {}
       for name in args.configs:
-        # Vocabulary-wide layers are read in place, as block_config has them in a model.
-        config = dataclasses.replace(CANDIDATES[name], compact=pallas_backend.block_config(
-          shape.rows, shape.in_features, shape.out_features, dtype).compact)
+        # Vocabulary-wide layers are read in place, as block_config has them in a model; so are
+        # the in-place candidates' on every shape.
+        config = dataclasses.replace(CANDIDATES[name], compact=CANDIDATES[name].compact and
+                                     pallas_backend.block_config(shape.rows, shape.in_features,
+                                                                 shape.out_features, dtype).compact)
         config = pallas_backend.with_dw_split(config, shape.in_features, shape.out_features)
         config = pallas_backend.with_dx_split(config, shape.rows, shape.in_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import tune_blocks
 from parity_tests.jaxprs import count_primitive
 from parity_tests.reference import keep_mask as reference_keep_mask
 from parity_tests.reference import sebp_reference
@@ -295,48 +296,61 @@ def test_bad_dx_split_is_named(split):
                          ids=["plain", "dw_split", "dx_split", "dx_split_all_rows", "in_place",
                               "in_place_dx_split"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
-  # The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
-  # catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
-  # compilation to PTX needs the GPU). The Triton custom calls are not serializable in general,
-  # which is the one check disabled here.
-  from jax import export
-
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
                                          "crossover": 0.4})
-  shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in ((500, 192), (192, 320), (500, 320))]
-  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=policy,
-                                                              config=config))
-  exported = export.export(
-    backward, platforms=["cuda"],
-    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
   # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
   # without the gather.
   expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
-  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+  assert _exported_kernel_count(config, dtype, 500, 192, 320, policy) == expected
 
 
 @pytest.mark.parametrize("key", sorted(pallas_backend._BLOCK_TABLE), ids=str)
 def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
   # Every tuned entry as block_config hands it to a layer on the GPU it was tuned for (the SM
   # count of an H100 sizes its splits), lowered the way the test above lowers its variants.
-  from jax import export
-
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   dtype = {2: jnp.bfloat16, 4: jnp.float32}[key[1]]
   num_rows, in_features, out_features = 4096, 3072, 16384 if key[2] == "vocab" else 640
   config = pallas_backend.BlockConfig(**{
     **pallas_backend._BLOCK_TABLE[key].__dict__, "compact": key[2] != "vocab"})
   config = pallas_backend.with_dx_split(config, num_rows, in_features)
+  # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
+  expected = 3 + config.compact + (config.dx_split > 1)
+  assert _exported_kernel_count(config, dtype, num_rows, in_features, out_features) == expected
+
+
+def _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
+                           policy=RowPolicy()) -> int:
+  """Pallas-Triton kernels in the CUDA export of the backward under ``config`` (lowered, not run).
+
+  The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
+  catches a kernel that the interpreter runs but Triton cannot express (only Triton's own
+  compilation to PTX needs the GPU). The Triton custom calls are not serializable in general,
+  which is the one check disabled here."""
+  from jax import export
+
   shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in (
     (num_rows, in_features), (in_features, out_features), (num_rows, out_features))]
-  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=RowPolicy(),
+  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=policy,
                                                               config=config))
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
+  return exported.mlir_module().count("@__gpu$xla.gpu.triton(")
+
+
+@pytest.mark.parametrize("name", sorted(tune_blocks.CANDIDATES))
+def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
+  # Every configuration the tuner times on the GPU, sized as it sizes them for an H100 (132 SMs),
+  # at a LLaMA-b1-like shape: a candidate that Triton cannot express fails here, not in a tuning run.
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  num_rows, in_features, out_features = 4096, 3072, 640
+  config = pallas_backend.with_dx_split(
+    pallas_backend.with_dw_split(tune_blocks.CANDIDATES[name], in_features, out_features),
+    num_rows, in_features)
   expected = 3 + config.compact + (config.dx_split > 1)
-  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+  assert _exported_kernel_count(config, jnp.bfloat16, num_rows, in_features,
+                                out_features) == expected
 
 
 def test_dx_split_traces_in_shard_map_with_check_vma():
