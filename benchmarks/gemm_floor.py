@@ -79,7 +79,7 @@ def _check_fits(gemm: str, config: _Config, name: str, shape: LayerShape) -> Non
            else (config.dw_m, config.dw_k, config.dw_n))
   dims = (shape.rows, shape.in_features, shape.out_features)
   if any(dim % tile for dim, tile in zip(dims, tiles)):
-    raise ValueError(f"--configs {name}: {gemm} tiles (M, K, N) = {tiles} do not divide the "
+    raise ValueError(f"{name}: {gemm} tiles (M, K, N) = {tiles} do not divide the "
                      f"shape {dims}")
 
 
@@ -148,18 +148,21 @@ def _base(part: str, name: str, shape: LayerShape, count: int) -> dict:
 def floor_rows(name: str, shape: LayerShape, configs: Sequence[str], dtype, *, reps: int,
                trials: int, interpret: bool) -> list[dict]:
   """Every row kept: cuBLAS, then each configuration's Pallas dX and/or dW (:func:`gemms_of`),
-  its ``dw_split`` filling this GPU's SMs as a model's would."""
+  its ``dw_split`` filling this GPU's SMs as a model's would (a ``dx_split`` sized likewise)."""
   m, k, n = shape.rows, shape.in_features, shape.out_features
   sets = [gemm_inputs(shape, m, dtype, seed) for seed in range(reps)]
   rows = []
   for gemm in _GEMMS:
     cases = {_CUBLAS: (cublas_gemm(gemm, m), None)}
     for config_name in configs:
-      config = pallas_backend.with_dw_split(CANDIDATES[config_name], k, n)
+      # Split as tune_blocks splits them, for this GPU (off a GPU both splits stay off).
+      config = pallas_backend.with_dx_split(
+        pallas_backend.with_dw_split(CANDIDATES[config_name], k, n), m, k)
       if gemm in gemms_of(CANDIDATES[config_name]):
         _check_fits(gemm, config, config_name, shape)
         cases[config_name] = (pallas_gemm(gemm, config, m, m, interpret=interpret), config)
-    rows += _measure(_base("floor", name, shape, m), gemm, cases, sets, trials=trials)
+    if len(cases) > 1:  # no configuration of this GEMM: no cuBLAS time either
+      rows += _measure(_base("floor", name, shape, m), gemm, cases, sets, trials=trials)
   return rows
 
 

@@ -28,6 +28,7 @@ from parity_tests.tolerances import assert_close  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = gemm_floor.TINY_SHAPE
+INTERPRET = jax.default_backend() != "gpu"  # the Triton kernels themselves on a GPU
 ROW_FIELDS = {"part": str, "shape": str, "M": int, "K": int, "N": int, "count": int,
               "kept_fraction": float, "gemm": str, "config": str, "ms": float,
               "rel_err": float}
@@ -49,12 +50,20 @@ def test_pallas_and_cublas_products_equal_the_float64_product(gemm, config, coun
   x, kernel, dy = gemm_floor.gemm_inputs(SHAPE, count, jnp.bfloat16, seed=0)
   assert not np.asarray(dy[count:]).any() and np.asarray(dy[:count]).any(axis=1).all()
   want = _reference(gemm, x, kernel, dy, count)
-  pallas = jax.jit(gemm_floor.pallas_gemm(gemm, config, SHAPE.rows, count, interpret=True))
+  pallas = jax.jit(gemm_floor.pallas_gemm(gemm, config, SHAPE.rows, count, interpret=INTERPRET))
   cublas = jax.jit(gemm_floor.cublas_gemm(gemm, count))
   got = pallas(x, kernel, dy)
   assert got.dtype == jnp.bfloat16
   assert_close(got[:count] if gemm == "dx" else got, want, jnp.bfloat16, what=f"pallas {gemm}")
   assert_close(cublas(x, kernel, dy), want, jnp.bfloat16, what=f"dot_general {gemm}")
+
+
+def test_dx_split_configs_are_sized_for_the_device():
+  # dx_pallas refuses a dx_split that with_dx_split has not sized; floor_rows sizes it.
+  rows = gemm_floor.floor_rows("tiny", SHAPE, ["dx_split2"], jnp.bfloat16, reps=2, trials=1,
+                               interpret=INTERPRET)
+  assert [(r["gemm"], r["config"]) for r in rows] == [("dx", "cublas"), ("dx", "dx_split2")]
+  assert all(r["rel_err"] < 2e-2 for r in rows)
 
 
 def test_configs_run_the_gemms_whose_tiles_they_change():
@@ -66,7 +75,7 @@ def test_configs_run_the_gemms_whose_tiles_they_change():
 
 
 def test_a_config_that_does_not_tile_the_shape_is_named():
-  with pytest.raises(ValueError, match="--configs dx128x256: dx tiles"):
+  with pytest.raises(ValueError, match="dx128x256: dx tiles"):
     gemm_floor.floor_rows("small", LayerShape(1, 128, 128, 128), ["dx128x256"], jnp.bfloat16,
                           reps=2, trials=1, interpret=True)
 
