@@ -219,7 +219,11 @@ def _table(rows: Sequence[dict]) -> list[str]:
       elif row["config"] == _CUBLAS or row["vs_cublas"] is None:
         line.append(f"{row['ms']:.3f}")
       else:
-        line.append(f"{row['ms']:.3f} ({row['vs_cublas']:.2f}×)")
+        # A floor dW runs split as a model's would (with_dw_split): say so where it is.
+        split = row["block_config"]["dw_split"] if (row["part"], row["gemm"]) == (
+          "floor", "dw") else 1
+        note = f", split {split}" if split > 1 else ""
+        line.append(f"{row['ms']:.3f} ({row['vs_cublas']:.2f}×{note})")
     lines.append("| " + " | ".join(line) + " |")
   return lines
 

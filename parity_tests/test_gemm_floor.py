@@ -122,3 +122,18 @@ def test_tiny_end_to_end_on_the_interpreter(tmp_path):
   md = (tmp_path / "gemm_floor_t.md").read_text()
   assert "## Every row kept" in md and "## dW per row split" in md and "jax " in md
   assert "| tiny | 256×256→256 | 5% |" in md
+
+
+def test_markdown_names_card_versions_and_a_floor_dw_split():
+  base = dict(part="floor", shape="bert_attn", M=16384, K=768, N=768, count=16384,
+              kept_fraction=1.0, gemm="dw")
+  result = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "trials": 15, "reps": 6,
+            "versions": {"jax": "0.11.2", "torch": None}, "interpret": False, "skipped": [],
+            "rows": [dict(base, config="cublas", ms=0.048, vs_cublas=1.0, block_config=None),
+                     dict(base, config="default", ms=0.059, vs_cublas=0.8136,
+                          block_config={"dw_split": 3})]}
+  md = gemm_floor.markdown(result)
+  assert md.startswith("# Pallas GEMMs alone against cuBLAS: NVIDIA H100 80GB HBM3, bfloat16")
+  assert "Versions: jax 0.11.2." in md and "interpreter" not in md
+  assert "| bert_attn | 16384×768→768 | 100% | 0.048 | 0.059 (0.81×, split 3) |" in md
+  assert "## dW per row split" not in md
