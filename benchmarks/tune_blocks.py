@@ -37,6 +37,13 @@ CANDIDATES = {
   "dw_m128": _Config(dw_m=128, dw_k=128, dw_n=128, dw_warps=8),
   "stages4": _Config(dx_stages=4, dw_stages=4),
   "big": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64),
+  # Every row kept (benchmarks.gemm_floor; NOTES "v9"): the wide tiles with deeper pipelines or
+  # shorter steps, dW with 4 warps, and dW's 128 x 256 tile transposed.
+  "dx128_s4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=4),
+  "dx128x256_n32_s4": _Config(dx_m=128, dx_k=256, dx_n=32, dx_warps=8, dx_stages=4),
+  "dw_w4": _Config(dw_warps=4),
+  "dw128x256_m32_s4": _Config(dw_k=128, dw_n=256, dw_m=32, dw_warps=8, dw_stages=4),
+  "dw256x128": _Config(dw_k=256, dw_n=128, dw_m=64, dw_warps=8),
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
   # (LLaMA-3B at batch 1, ~80 kept rows: 48 dX programs on 132 SMs with the default tiles, 96
   # with dx_k64, 192 with dx_k32); shorter row blocks waste less of the last one.
