@@ -155,10 +155,9 @@ def floor_rows(name: str, shape: LayerShape, configs: Sequence[str], dtype, *, r
   for gemm in _GEMMS:
     cases = {_CUBLAS: (cublas_gemm(gemm, m), None)}
     for config_name in configs:
-      # Split as tune_blocks splits them, for this GPU (off a GPU both splits stay off).
-      config = pallas_backend.with_dx_split(
-        pallas_backend.with_dw_split(CANDIDATES[config_name], k, n), m, k)
       if gemm in gemms_of(CANDIDATES[config_name]):
+        # Split as tune_blocks splits them, for this GPU (off a GPU both splits stay off).
+        config = pallas_backend.sized_for_gpu(CANDIDATES[config_name], m, k, n)
         _check_fits(gemm, config, config_name, shape)
         cases[config_name] = (pallas_gemm(gemm, config, m, m, interpret=interpret), config)
     if len(cases) > 1:  # no configuration of this GEMM: no cuBLAS time either
@@ -219,7 +218,7 @@ def _table(rows: Sequence[dict]) -> list[str]:
       elif row["config"] == _CUBLAS or row["vs_cublas"] is None:
         line.append(f"{row['ms']:.3f}")
       else:
-        # A floor dW runs split as a model's would (with_dw_split): say so where it is.
+        # A floor dW runs split as a model's would (sized_for_gpu): say so where it is.
         split = row["block_config"]["dw_split"] if (row["part"], row["gemm"]) == (
           "floor", "dw") else 1
         note = f", split {split}" if split > 1 else ""

@@ -138,8 +138,8 @@ def main() -> None:
         config = dataclasses.replace(CANDIDATES[name], compact=CANDIDATES[name].compact and
                                      pallas_backend.block_config(shape.rows, shape.in_features,
                                                                  shape.out_features, dtype).compact)
-        config = pallas_backend.with_dw_split(config, shape.in_features, shape.out_features)
-        config = pallas_backend.with_dx_split(config, shape.rows, shape.in_features)
+        config = pallas_backend.sized_for_gpu(config, shape.rows, shape.in_features,
+                                              shape.out_features)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)

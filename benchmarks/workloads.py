@@ -103,8 +103,8 @@ __all__ = [
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text", "single_workload_parser", "add_xla_flags_option", "apply_xla_flags_option",
-  "xla_flags_text", "prepared_workload", "TORCH_CROSSOVER",
+  "versions_text", "single_workload_parser", "xla_flags_text", "prepared_workload",
+  "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
@@ -520,31 +520,17 @@ def random_params(module, spec: ModelSpec, seed: int = 0):
 def single_workload_parser(prog: str) -> argparse.ArgumentParser:
   """The arguments of the tools that study one workload's program (:mod:`benchmarks.profile_step`,
   :mod:`benchmarks.bound_definitions`): ``--model``, ``--batch``, ``--workload``, ``--tiny``,
-  ``--out-dir``; each tool adds its own."""
+  ``--out-dir``, ``--xla-command-buffers``; each tool adds its own."""
   parser = argparse.ArgumentParser(prog=prog)
   parser.add_argument("--model", required=True, choices=["bert", "llama"])
   parser.add_argument("--batch", type=int, required=True)
   parser.add_argument("--workload", required=True)
   parser.add_argument("--tiny", action="store_true", help="the model's 1-layer configuration")
   parser.add_argument("--out-dir", type=pathlib.Path, required=True)
-  add_xla_flags_option(parser)
-  return parser
-
-
-def add_xla_flags_option(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--xla-command-buffers", action="store_true",
                       help="run with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS (conditionals "
                            "inside CUDA graphs) added to XLA_FLAGS")
-
-
-def apply_xla_flags_option(args: argparse.Namespace) -> str:
-  """``XLA_FLAGS`` for this run and the worker processes it starts, with
-  :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` added under ``--xla-command-buffers``
-  (before JAX starts its backends: otherwise :func:`~sebp_jax.xla_flags.enable_command_buffers`
-  raises). Recorded in every result's header."""
-  if args.xla_command_buffers:
-    xla_flags.enable_command_buffers()
-  return os.environ.get("XLA_FLAGS", "")
+  return parser
 
 
 def xla_flags_text(result: dict) -> str:
@@ -564,7 +550,10 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
     ``batch``, ``workload``, ``active_fraction``, ``versions``); and ``<model>[_tiny]_b<batch>_
     <workload>``, to name its files. A ``--workload`` the model lacks is a parser error.
   """
-  flags = apply_xla_flags_option(args)
+  # Before JAX starts its backends (enable_command_buffers raises after); the header records the
+  # XLA_FLAGS the run reads.
+  if args.xla_command_buffers:
+    xla_flags.enable_command_buffers()
   import jax
 
   from benchmarks.timing import environment
@@ -579,7 +568,7 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
   header = {"benchmark": spec.name, "gpu": environment()["device"],
             "dtype": "bfloat16", "seq_len": spec.seq_len, "batch": args.batch,
             "workload": args.workload, "active_fraction": active, "versions": library_versions(),
-            "xla_flags": flags}
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
   stem = f"{spec.name}{'_tiny' if args.tiny else ''}_b{args.batch}_{args.workload}"
   return (spec, module, random_params(module, spec), [jax.device_put(b) for b in host_batches],
           header, stem)

@@ -49,7 +49,8 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "with_dw_split", "with_dx_split", "backward",
+__all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_split",
+           "backward",
            "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
 
 
@@ -196,6 +197,14 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
     dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
+  return sized_for_gpu(config, num_rows, in_features, out_features)
+
+
+def sized_for_gpu(config: BlockConfig, num_rows: int, in_features: int,
+                  out_features: int) -> BlockConfig:
+  """``config`` with both splits sized for this GPU and an ``(num_rows, in_features) x
+  (in_features, out_features)`` layer (:func:`with_dw_split`, :func:`with_dx_split`), as
+  :func:`block_config` hands its table entries to a layer."""
   return with_dx_split(with_dw_split(config, in_features, out_features), num_rows, in_features)
 
 
