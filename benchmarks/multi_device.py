@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -43,7 +44,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from benchmarks.workloads import (LR, REPO, WEIGHT_DECAY, ModelSpec, Settings, library_versions,
-                                  random_params, versions_text, workload_batches)
+                                  random_params, versions_text, workload_batches, xla_flags_text)
 
 __all__ = ["MODELS", "Row", "model_spec", "placement", "programs", "run_model", "summarize", "markdown",
            "main"]
@@ -236,7 +237,7 @@ def markdown(result: dict) -> str:
     f"# SEBP on {n} devices: {result['gpu']}, bfloat16", "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps, on 1 device and "
     f"on {n} at the same per-device batch. {result['note']} Versions: "
-    f"{versions_text(result['versions'])}.", "",
+    f"{versions_text(result['versions'])}.{xla_flags_text(result)}", "",
     f"Targets: SEBP keeps >= {TARGET_SPEEDUP_KEPT:.0%} of its one-device backward speedup on "
     f"{n} devices; its {n}-device throughput is >= {TARGET_SCALING_PER_GPU * n:.1f}x one "
     f"device's.", "",
@@ -345,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     "benchmark": "multi_device", "gpu": env["device"], "platform": env["platform"],
     "devices": devices, "warmup": args.warmup,
     "steps": args.steps, "tiny": args.tiny, "versions": library_versions(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
     "note": ("Tiny models." if args.tiny else
              f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes), FSDP, context 4096, "
              f"2 sequences per device; BERT-base data parallel, context 512, 32 per device."),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -32,7 +33,8 @@ import numpy as np
 
 from benchmarks import multi_device, profile_step
 from benchmarks.collective_overlap import exposed_ms, is_collective, union
-from benchmarks.workloads import LR, WEIGHT_DECAY, REPO, Settings, random_params, workload_batches
+from benchmarks.workloads import (LR, WEIGHT_DECAY, REPO, Settings, random_params, workload_batches,
+                                  xla_flags_text)
 
 __all__ = ["device_breakdown", "markdown", "main"]
 
@@ -100,7 +102,7 @@ def markdown(result: dict) -> str:
   then the families of the first device."""
   lines = [f"# Where a {result['devices']}-device step's time goes: {result['gpu']}, bfloat16", "",
            f"Median (min–max) of {result['steps']} timed steps; GPU times per step from a trace of "
-           f"them, per device. {result['note']}", ""]
+           f"them, per device. {result['note']}{xla_flags_text(result)}", ""]
   for model in dict.fromkeys(r["model"] for r in result["rows"]):
     rows = [r for r in result["rows"] if r["model"] == model]
     first = rows[0]
@@ -150,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
   env = environment()
   result = {"benchmark": "profile_multi_device", "gpu": env["device"], "devices": args.devices,
             "steps": args.steps, "versions": library_versions(), "rows": [],
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "note": ("Tiny models." if args.tiny else
                      f"LLaMA-3.2-3B with the first {args.llama_layers} of 28 decoder layers, "
                      "FSDP, context 4096; BERT-base data parallel, context 512.")}

@@ -109,7 +109,7 @@ def test_benchmark_summary_from_rows(tmp_path):
   rows = [row(1, "dense", 4.0, 10.0), row(1, "sebp", 2.0, 8.0),
           row(2, "dense", 4.4, 11.0), row(2, "sebp", 2.4, 9.0)]
   result = {"gpu": "test card", "warmup": 1, "steps": 3, "note": "", "rows": rows,
-            "versions": {"jax": "0"}}
+            "versions": {"jax": "0"}, "xla_flags": "--xla_gpu_enable_pipelined_all_gather=true"}
   paths = multi_device.write(tmp_path, "md", result)
   (summary,) = result["summary"]
   assert summary["bwd_speedup_1"] == 2.0 and abs(summary["bwd_speedup_n"] - 4.4 / 2.4) < 1e-12
@@ -117,3 +117,4 @@ def test_benchmark_summary_from_rows(tmp_path):
   assert abs(summary["sebp_scaling"] - 2 * 8.0 / 9.0) < 1e-12
   assert [p.suffix for p in paths] == [".json", ".md", ".png"]
   assert "test card" in paths[1].read_text()
+  assert "XLA_FLAGS: `--xla_gpu_enable_pipelined_all_gather=true`" in paths[1].read_text()

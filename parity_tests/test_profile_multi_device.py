@@ -42,7 +42,8 @@ def test_markdown_names_every_device_and_family():
          "per_device": profile_multi_device.device_breakdown(
            [_kernel(0, "ncclDevKernel_AllGather", 0, 500), _kernel(1, "sebp_dx", 0, 300)], 1)}
   text = profile_multi_device.markdown({"devices": 2, "gpu": "GPU", "steps": 1, "note": "",
-                                        "rows": [row]})
+                                        "rows": [row], "xla_flags": ""})
+  assert "XLA_FLAGS: `(none)`." in text
   assert "| sebp | 10.00 (9.00–11.00) | 0 | 0.50 | 0.50 | 0.50 | 1 |" in text
   assert "| sebp | 10.00 (9.00–11.00) | 1 | 0.30 | 0.00 | 0.00 | 1 |" in text
   assert "| collectives (NCCL) | 0.50 |" in text
