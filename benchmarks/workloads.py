@@ -34,7 +34,8 @@ Variants (:data:`VARIANTS`)
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
   ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
   crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
-  plan (the attention mask: no layer reads its ``dy`` to find the real tokens).
+  plan (the attention mask: no layer reads its ``dy`` to find the real tokens);
+  ``jax-sebp-pallas-plan-nocond`` is the plan with ``crossover=1.0`` (no conditional in the step).
   ``jax-dense-einsum`` and ``jax-sebp-pallas-einsum`` run the same model built from Gemma-style
   ``nn.Einsum`` layers (:attr:`ModelSpec.jax_einsum_module`, LLaMA only); their speedups are over
   ``jax-dense-einsum``, so the einsum-built model's SEBP speedup compares with the Dense-built
@@ -288,6 +289,11 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("jax-sebp-pallas-per-batch", "jax", "pallas", per_batch=True),
   # ... and one row plan per step instead of a score read and a partition per layer.
   Variant("jax-sebp-pallas-plan", "jax", "pallas", per_batch=True, rows=True),
+  # The row plan with no conditional at all (crossover=1.0): what a training loop gets that
+  # picks the dense or the SEBP step on the host from the batch, with the whole step in CUDA
+  # graphs (XLA runs a conditional's body outside them).
+  Variant("jax-sebp-pallas-plan-nocond", "jax", "pallas", per_batch=True, rows=True,
+          crossover=1.0),
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
   Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
   Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),

@@ -161,6 +161,7 @@ def test_free_linear_backward_reaches_the_models_tied_head():
   ("jax-sebp-pallas-nocond", 0, 7),     # crossover=1.0: none
   ("jax-sebp-pallas-per-batch", 1, 7),  # one for the step, none in the layers
   ("jax-sebp-pallas-plan", 1, 5),
+  ("jax-sebp-pallas-plan-nocond", 0, 5),  # the plan, no conditional anywhere
   ("jax-dense", 0, 0),
 ])
 def test_variants_build_their_value_and_grad(name, conds, kernels):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import assert_close
-from sebp_jax import analysis, cli, finetune
+from sebp_jax import RowPolicy, analysis, cli, finetune
 from sebp_jax.models import (BertConfig, BertForSequenceClassification, LlamaConfig,
                              LlamaForCausalLM, causal_lm_loss)
 from sebp_jax.models.llama import IGNORE_INDEX
@@ -152,10 +152,10 @@ def test_out_of_memory_becomes_a_usage_error(tiny_models):
 
 
 @pytest.mark.parametrize("text, expected", [
-  ("exact", finetune.RowPolicy()),
-  ("threshold=3.98e-5", finetune.RowPolicy(threshold=3.98e-5)),
-  ("max-rows=7", finetune.RowPolicy(max_rows=7)),
-  ("threshold=0.5,max-rows=3", finetune.RowPolicy(threshold=0.5, max_rows=3)),
+  ("exact", RowPolicy()),
+  ("threshold=3.98e-5", RowPolicy(threshold=3.98e-5)),
+  ("max-rows=7", RowPolicy(max_rows=7)),
+  ("threshold=0.5,max-rows=3", RowPolicy(threshold=0.5, max_rows=3)),
 ])
 def test_parse_policy(text, expected):
   assert finetune.parse_policy(text) == expected
@@ -166,6 +166,46 @@ def test_parse_policy(text, expected):
 def test_parse_policy_rejects(text):
   with pytest.raises(finetune.UsageError, match="--policy"):
     finetune.parse_policy(text)
+
+
+def test_exact_sebp_steps_are_chosen_on_the_host():
+  # The exact policy's Pallas SEBP step for batches up to the crossover (0.4 real), the dense
+  # one past it; each jitted once. Other policies decide per layer, and the XLA backend
+  # switches by itself: always their own step.
+  made = []
+  steps = finetune._Steps(lambda policy: made.append(policy) or policy, RowPolicy(), "pallas")
+  short = {"attention_mask": np.array([[1, 1, 1, 0, 0, 0, 0, 0]])}  # 3 of 8 real
+  full = {"attention_mask": np.ones((1, 8), np.int32)}
+  assert steps.for_batch(short) == RowPolicy() and steps.for_batch(full) is None
+  assert steps.for_batch(short) == RowPolicy() and made == [RowPolicy(), None]
+  top = RowPolicy(max_rows=2)
+  assert finetune._Steps(lambda policy: policy, top, "pallas").for_batch(full) == top
+  assert finetune._Steps(lambda policy: policy, RowPolicy(), "xla").for_batch(full) == \
+    RowPolicy()
+
+
+@pytest.mark.parametrize("policy,conds,kernels", [
+  # No conditional, the batch's mask as row plan: gather, dX and dW in the second layer,
+  # gather and dW in the first (no partition: the plan's permutation is made once by XLA).
+  (RowPolicy(), 0, 5),
+  (RowPolicy(max_rows=4), 2, 7),  # one conditional and a partition in each layer
+  (None, 0, 0),
+])
+def test_sebp_grad_fn_has_no_conditional_with_the_exact_policy(policy, conds, kernels):
+  from parity_tests.jaxprs import count_primitive
+
+  block = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
+  x = jnp.ones((2, 16, 8))
+  params = block.init(jax.random.key(0), x)
+  batch = {"x": x, "attention_mask": jnp.ones((2, 16), jnp.int32).at[:, 5:].set(0)}
+  loss = lambda params, batch, rng: jnp.sum(block.apply(params, batch["x"]) ** 2)
+  placement = finetune._Placement(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]),
+                                  fsdp=False)
+  # Traced, not run: the Pallas kernels need a GPU, the jaxpr does not.
+  jaxpr = jax.make_jaxpr(finetune._grad_fn(loss, policy, "pallas", placement))(params, batch,
+                                                                             None)
+  assert count_primitive(jaxpr, "cond") == conds
+  assert count_primitive(jaxpr, "pallas_call") == kernels
 
 
 # --------------------------------------------------------------------------- end to end

@@ -15,7 +15,7 @@ from parity_tests.ids import kwargs_id
 from parity_tests.impls import impl_params, implements
 from parity_tests.jaxprs import count_primitive, dot_output_shapes
 from parity_tests.tolerances import assert_close
-from sebp_jax import RowPolicy, SEBPDense, sebp_value_and_grad, swap_dense
+from sebp_jax import RowPolicy, SEBPDense, above_crossover, sebp_value_and_grad, swap_dense
 from sebp_jax.matmul import SEBPDotGeneral
 
 IMPLS = impl_params()
@@ -484,6 +484,22 @@ def test_sebp_value_and_grad_compiles_one_conditional_per_call(crossover, conds)
     assert count_primitive(jax.make_jaxpr(jax.value_and_grad(lambda *a: _loss(*a)))(*args),
                            "cond") == len(LAYERS)
   assert count_primitive(jax.make_jaxpr(per_layer)(*args), "cond") == 0
+
+
+@pytest.mark.parametrize("fraction,crossover,dense", [
+  (0.1, None, False), (0.4, None, False), (0.41, None, True),  # the measured default: 0.4
+  (0.3, 0.2, True), (0.2, 0.2, False), (1.0, 1.0, False), (0.0, 0.5, False)])
+def test_above_crossover_is_sebp_value_and_grads_rule_on_the_host(fraction, crossover, dense):
+  assert above_crossover(fraction, crossover) is dense
+  assert above_crossover(np.float64(fraction), crossover) is dense  # a NumPy mask's mean
+
+
+def test_above_crossover_names_bad_arguments():
+  for bad in (-0.1, 1.5, float("nan")):
+    with pytest.raises(ValueError, match="`active_fraction`"):
+      above_crossover(bad)
+  with pytest.raises(ValueError, match="`crossover`"):
+    above_crossover(0.2, crossover=0.0)
 
 
 def test_sebp_value_and_grad_passes_argnums_and_aux():

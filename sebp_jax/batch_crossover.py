@@ -7,6 +7,13 @@ step (74 layers; ``benchmarks/NOTES.md``, "The backward decomposition"). With pa
 the fraction of real tokens is known from the batch before the forward, and every layer would
 decide the same way: :func:`sebp_value_and_grad` decides once, from the batch, and compiles the
 per-layer conditionals out.
+
+Under ``jit`` that one decision is still a ``lax.cond``, and XLA:GPU runs a conditional's body
+outside its CUDA graphs: measured on an H100, a BERT-base step with a row plan took 1.1–1.2 ms
+less (of 22) on two of three workloads with ``crossover=1.0`` (no conditional) than with the
+per-step one (``benchmarks/NOTES.md``, "v10"). A training loop that holds its batches on the host
+can decide there instead, with :func:`above_crossover`, between a step jitted with
+``crossover=1.0`` and a dense one.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from sebp_jax.matmul import _check_crossover, resolve_impl
 from sebp_jax.plan import row_plan
 from sebp_jax.policy import RowPolicy
 
-__all__ = ["sebp_value_and_grad"]
+__all__ = ["sebp_value_and_grad", "above_crossover"]
 
 
 def _measured_crossover() -> float:
@@ -30,6 +37,34 @@ def _measured_crossover() -> float:
   from sebp_jax.backends.pallas import BlockConfig  # lazily, as sebp_matmul imports Pallas
 
   return BlockConfig().crossover
+
+
+def above_crossover(active_fraction: float, crossover: float | None = None) -> bool:
+  """Whether a batch whose rows are real in ``active_fraction`` of cases is past the crossover,
+  where the dense backward is the faster one: the same rule as :func:`sebp_value_and_grad`,
+  decided on the host.
+
+  Use it to pick between two jitted steps, one built with ``crossover=1.0`` (no conditional in
+  the program) and one dense:
+
+  >>> import numpy as np
+  >>> mask = np.zeros((4, 512), np.int32); mask[:, :40] = 1   # 40 real tokens of 512
+  >>> above_crossover(mask.mean())                           # 7.8 %: run the SEBP step
+  False
+  >>> above_crossover(0.9)
+  True
+
+  Args:
+    active_fraction: the real-token fraction of the batch, a host number (e.g. the mean of its
+      NumPy attention mask; a device array here would wait for the device).
+    crossover: as in :func:`sebp_value_and_grad`; ``None``: the Pallas backward's measured
+      default.
+  """
+  _check_crossover(crossover)
+  fraction = float(active_fraction)
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"above_crossover: `active_fraction` must be in [0, 1], got {fraction}.")
+  return fraction > (_measured_crossover() if crossover is None else crossover)
 
 
 def sebp_value_and_grad(

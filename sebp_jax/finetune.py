@@ -41,10 +41,12 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sebp_jax import analysis, data
+from sebp_jax.batch_crossover import above_crossover
 from sebp_jax.linen import swap_dense
 from sebp_jax.matmul import IMPLS, resolve_impl
 from sebp_jax.models import (BertConfig, BertForSequenceClassification, LlamaConfig,
                              LlamaForCausalLM, causal_lm_loss, from_pretrained)
+from sebp_jax.plan import row_plan
 from sebp_jax.policy import RowPolicy
 from sebp_jax.sharding import fsdp_spec, sharded_rows
 
@@ -478,23 +480,53 @@ class _Placement:
 
 def _grad_fn(loss, policy: RowPolicy | None, impl: str, placement: _Placement):
   """``value_and_grad(loss)``, with every Dense swapped to SEBP unless ``policy`` is None; each
-  device runs the SEBP backward of its own rows."""
+  device runs the SEBP backward of its own rows.
+
+  With the exact policy the program has no conditional (``crossover=1.0``: :class:`_Steps`
+  decides dense or SEBP per batch on the host) and, on one device, the layers share the batch's
+  attention mask as their row plan (no layer reads its ``dy`` to find the real tokens; a plan
+  over rows sharded across devices is refused, so there each layer scores its own). Other
+  policies decide per layer."""
+  exact = policy == RowPolicy()
 
   def value_and_grad(params, batch, rng):
     if policy is None:
       return jax.value_and_grad(loss)(params, batch, rng)
+    plan = row_plan(batch["attention_mask"]) if exact and placement.devices == 1 else None
     # Both apply to what is traced inside.
-    with swap_dense(policy, impl=impl), placement.rows():
+    with swap_dense(policy, impl=impl, crossover=1.0 if exact else None, rows=plan), \
+        placement.rows():
       return jax.value_and_grad(loss)(params, batch, rng)
 
   return value_and_grad
 
 
+class _Steps:
+  """A variant's jitted functions of ``(params or state, batch, rng)``, and which one a batch
+  runs: for SEBP with the exact policy through the Pallas kernels, the dense one where the
+  batch's real-token fraction is past the crossover (:func:`sebp_jax.above_crossover`, on the
+  host batch), else the SEBP one; otherwise the only one (the XLA backend switches to its dense
+  branch by itself, per layer). ``make(policy)`` jits the function for ``policy``; each is made
+  (and traced) on first use."""
+
+  def __init__(self, make: Callable[[RowPolicy | None], Callable], policy: RowPolicy | None,
+               impl: str):
+    self._make, self._policy, self._jitted = make, policy, {}
+    self._host_crossover = policy == RowPolicy() and impl != "xla"
+
+  def for_batch(self, batch: Batch) -> Callable:
+    policy = self._policy
+    if self._host_crossover and above_crossover(np.mean(batch["attention_mask"] != 0)):
+      policy = None
+    if policy not in self._jitted:
+      self._jitted[policy] = self._make(policy)
+    return self._jitted[policy]
+
+
 def _make_train_step(loss, optimizer, policy: RowPolicy | None, impl: str,
-                     placement: _Placement):
-  """The jitted step ``(state, batch, rng) -> (state, loss)`` (``state`` donated) and a list
-  whose length counts its traces."""
-  traces: list[None] = []
+                     placement: _Placement, traces: list[None]):
+  """The jitted step ``(state, batch, rng) -> (state, loss)`` (``state`` donated); each of its
+  traces appends to ``traces``."""
   value_and_grad = _grad_fn(loss, policy, impl, placement)
 
   def step(state, batch, rng):
@@ -504,7 +536,7 @@ def _make_train_step(loss, optimizer, policy: RowPolicy | None, impl: str,
     return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
             "opt_state": opt_state}, value
 
-  return jax.jit(step, donate_argnums=0), traces
+  return jax.jit(step, donate_argnums=0)
 
 
 @contextlib.contextmanager
@@ -560,8 +592,10 @@ def _train(config, setup, variant, run_dir, metrics, log, placement) -> dict[str
 
   policy = parse_policy(config.policy) if variant == "sebp" else None
   optimizer = _optimizer(config)
-  step_fn, traces = _make_train_step(setup.loss, optimizer, policy, resolve_impl(config.impl),
-                                     placement)
+  traces: list[None] = []
+  impl = resolve_impl(config.impl)
+  steps = _Steps(lambda chosen: _make_train_step(setup.loss, optimizer, chosen, impl, placement,
+                                                 traces), policy, impl)
   state = {"step": jnp.int32(0), "params": setup.params,
            "opt_state": optimizer.init(setup.params)}
   checkpoint = run_dir / "checkpoints" / variant
@@ -577,7 +611,8 @@ def _train(config, setup, variant, run_dir, metrics, log, placement) -> dict[str
     for step in range(start, config.steps):
       batch = setup.batch(step, config.batch_size, config.seed)
       began = time.perf_counter()
-      state, loss = step_fn(state, placement.batch(batch), _dropout_key(config.seed, step))
+      state, loss = steps.for_batch(batch)(state, placement.batch(batch),
+                                           _dropout_key(config.seed, step))
       loss = float(loss)  # synchronises: the step time is the device time
       times.append(time.perf_counter() - began)
       metrics.write({"variant": variant, "step": step + 1, "loss": loss,
@@ -615,11 +650,15 @@ def _evaluate(config: _DataConfig, setup: _Setup, params: Params,
   return {name: float(np.mean(values)), "examples": batches * config.batch_size}
 
 
-def _time_ms(fn, params, batches, rngs) -> float:
-  """Median wall time of ``fn(params, batch, rng)`` over the batches, after one warm-up call."""
-  jax.block_until_ready(fn(params, batches[0], rngs[0]))
+def _time_ms(steps: _Steps, params, host_batches, placement: _Placement, rngs) -> float:
+  """Median wall time of ``fn(params, batch, rng)`` over the batches, ``fn`` the function
+  ``steps`` picks for each, after one warm-up call of each function used."""
+  batches = [placement.batch(batch) for batch in host_batches]
+  fns = [steps.for_batch(batch) for batch in host_batches]
+  for fn in {id(fn): fn for fn in fns}.values():
+    jax.block_until_ready(fn(params, batches[fns.index(fn)], rngs[0]))
   samples = []
-  for batch, rng in zip(batches, rngs):
+  for fn, batch, rng in zip(fns, batches, rngs):
     began = time.perf_counter()
     jax.block_until_ready(fn(params, batch, rng))
     samples.append(time.perf_counter() - began)
@@ -630,14 +669,17 @@ def _timings(config: FinetuneConfig, setup: _Setup, params: Params,
              placement: _Placement) -> dict[str, dict]:
   """Forward and forward+backward times of the dense and the SEBP loss on the same batches and
   parameters; backward = the difference."""
-  batches = [placement.batch(setup.batch(i, config.batch_size, config.seed))
-             for i in range(config.timing_batches)]
+  host_batches = [setup.batch(i, config.batch_size, config.seed)
+                  for i in range(config.timing_batches)]
   rngs = [_dropout_key(config.seed, i) for i in range(config.timing_batches)]
-  forward = _time_ms(jax.jit(setup.loss), params, batches, rngs)
+  impl = resolve_impl(config.impl)
+  forward = _time_ms(_Steps(lambda _: jax.jit(setup.loss), None, impl), params, host_batches,
+                     placement, rngs)
   out = {}
   for variant, policy in (("dense", None), ("sebp", parse_policy(config.policy))):
-    both = _time_ms(jax.jit(_grad_fn(setup.loss, policy, resolve_impl(config.impl), placement)),
-                    params, batches, rngs)
+    steps = _Steps(lambda chosen: jax.jit(_grad_fn(setup.loss, chosen, impl, placement)), policy,
+                   impl)
+    both = _time_ms(steps, params, host_batches, placement, rngs)
     out[variant] = {"forward_ms": forward, "backward_ms": max(both - forward, 0.0)}
   return out
 
