@@ -253,6 +253,22 @@ def test_tiny_run_writes_every_artifact(tiny_models, tmp_path):
     finetune.finetune(_tiny_config(batch_size=4), run_dir, resume=True, log=_quiet)
 
 
+@pytest.mark.parametrize("model,task,max_length", [("tiny-bert", "trec", 64),
+                                                    ("tiny-llama", "obqa", 256)])
+def test_pallas_run_with_row_plan_trains_as_dense(tiny_models, tmp_path, model, task,
+                                                  max_length):
+  # The GPU path on CPU: the Pallas kernels (in the interpreter) under the attention mask's row
+  # plan, in a step without a conditional; same init, data and dropout as the dense run.
+  config = _tiny_config(model=model, task=task, impl="interpret", max_length=max_length,
+                        batch_size=4, steps=2, timing_batches=0, analysis_batches=0,
+                        eval_examples=4)
+  summary = finetune.finetune(config, tmp_path / "run", log=_quiet)
+  assert summary["runs"]["sebp"]["traces"] == 1  # < 40 % real tokens: the SEBP step only
+  sebp, dense = _losses(tmp_path / "run", "sebp"), _losses(tmp_path / "run", "dense")
+  assert_close(np.array(list(sebp.values())), np.array(list(dense.values())), rtol=1e-5,
+               atol=1e-6, what=f"{model}: dense vs Pallas SEBP training loss")
+
+
 def test_resume_continues_exactly_and_rejects_a_corrupt_checkpoint(tiny_models, tmp_path,
                                                                    capsys):
   measure_nothing = dict(compare=False, timing_batches=0, analysis_batches=0)
