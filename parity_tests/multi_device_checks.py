@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard  # noqa: E402
 
 from parity_tests.tolerances import tolerance  # noqa: E402
-from sebp_jax import sebp_matmul, sharded_rows  # noqa: E402
+from sebp_jax import row_plan, sebp_matmul, sharded_rows  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -86,10 +86,21 @@ def _check(name, impl, sebp_loss, dense_loss, params, x, reference, **jit_kwargs
         flush=True)
 
 
+def _planned_matmul(impl: str):
+  """``sebp_matmul`` under a row plan of the real tokens (a prefix of each sequence), made in the
+  traced function as a training step makes it from its attention mask; checking: every layer
+  verifies that no row outside the plan has a non-zero gradient."""
+  def matmul(a, w):
+    mask = jnp.broadcast_to(jnp.arange(T) < REAL, (B, T))
+    return sebp_matmul(a, w, impl=impl, rows=row_plan(mask, check=True))
+  return matmul
+
+
 def main(impl: str, cases: list[str]) -> None:
   params, x = _inputs()
   dense_mm = lambda a, w: a @ w  # noqa: E731
-  sebp_mm = lambda a, w: sebp_matmul(a, w, impl=impl)  # noqa: E731
+  scoring_mm = lambda a, w: sebp_matmul(a, w, impl=impl)  # noqa: E731
+  planned_mm = _planned_matmul(impl)
   reference = jax.grad(_loss(dense_mm))(params, x)  # one device, dense autodiff
 
   n = jax.device_count()
@@ -103,8 +114,11 @@ def main(impl: str, cases: list[str]) -> None:
     data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
   )
   for case in cases:
-    if case in auto:
-      shape, names, x_spec, w_spec, axes = auto[case]
+    # "<case>_planned": the same case with a row plan, which each device re-plans for its rows.
+    sebp_mm = planned_mm if case.endswith("_planned") else scoring_mm
+    layout = case.removesuffix("_planned")
+    if layout in auto:
+      shape, names, x_spec, w_spec, axes = auto[layout]
       mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
       w_sharding = NamedSharding(mesh, w_spec)
 
@@ -116,7 +130,7 @@ def main(impl: str, cases: list[str]) -> None:
         _check(case, impl, sebp_loss, _loss(dense_mm), params, x, reference,
                in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
                out_shardings=(w_sharding,) * 2)
-    elif case == "explicit":
+    elif layout == "explicit":
       # Batch over both axes, weights stored FSDP-sharded and gathered before use.
       mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
       with jax.set_mesh(mesh):
@@ -166,6 +180,15 @@ def main(impl: str, cases: list[str]) -> None:
           jax.jit(jax.grad(_loss(sebp_mm)))(params, x)
         except ValueError as e:
           messages["auto_without_rows"] = str(e)
+      mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+      with jax.set_mesh(mesh), sharded_rows("data"):  # a plan that misses real rows, checked
+        short = jnp.broadcast_to(jnp.arange(T) < REAL - 1, (B, T))
+        missing = lambda a, w: sebp_matmul(a, w, impl=impl,  # noqa: E731
+                                           rows=row_plan(short, check=True), name="layer")
+        try:
+          jax.block_until_ready(jax.jit(jax.grad(_loss(missing)))(params, x))
+        except Exception as e:  # the check's callback fails the program at run time
+          messages["plan_misses_rows"] = str(e)
       mesh = jax.make_mesh((n,), ("model",), axis_types=(AxisType.Explicit,))
       with jax.set_mesh(mesh):  # output features split over "model": tensor parallel
         w = reshard(params[0], P(None, "model"))

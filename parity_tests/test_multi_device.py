@@ -18,7 +18,9 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked")
+CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked",
+         # With a row plan of the whole batch, which each device re-plans for its own rows.
+         "data_parallel_planned", "data_fsdp_planned", "explicit_planned")
 # The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.
@@ -74,6 +76,9 @@ def test_pallas_kernels_trace_inside_checked_shard_map():
 def test_unfollowable_sharding_is_an_error_naming_the_fix():
   messages = _results("xla")["errors"]["messages"]
   assert "sharded_rows" in messages["auto_without_rows"]
+  # A row plan over sharded rows is applied on each device: one that misses real rows is caught.
+  assert "layer layer" in messages["plan_misses_rows"]
+  assert "outside the plan" in messages["plan_misses_rows"]
   assert "'model'" in messages["tensor_parallel"]
   assert "where=" in messages["tensor_parallel"]
 

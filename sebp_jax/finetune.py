@@ -483,16 +483,15 @@ def _grad_fn(loss, policy: RowPolicy | None, impl: str, placement: _Placement):
   device runs the SEBP backward of its own rows.
 
   With the exact policy the program has no conditional (``crossover=1.0``: :class:`_Steps`
-  decides dense or SEBP per batch on the host) and, on one device, the layers share the batch's
-  attention mask as their row plan (no layer reads its ``dy`` to find the real tokens; a plan
-  over rows sharded across devices is refused, so there each layer scores its own). Other
-  policies decide per layer."""
+  decides dense or SEBP per batch on the host) and the layers share the batch's attention mask
+  as their row plan (no layer reads its ``dy`` to find the real tokens; with the rows sharded,
+  each device plans its own). Other policies decide per layer."""
   exact = policy == RowPolicy()
 
   def value_and_grad(params, batch, rng):
     if policy is None:
       return jax.value_and_grad(loss)(params, batch, rng)
-    plan = row_plan(batch["attention_mask"]) if exact and placement.devices == 1 else None
+    plan = row_plan(batch["attention_mask"]) if exact else None
     # Both apply to what is traced inside.
     with swap_dense(policy, impl=impl, crossover=1.0 if exact else None, rows=plan), \
         placement.rows():

@@ -129,15 +129,14 @@ def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dt
   # in float32.
   dy = dy.astype((saved_x if saved_x is not None else saved_kernel).dtype)
 
-  def backend(x2d, kernel, dy2d):
+  def backend(x2d, kernel, dy2d, plan):
     if plan is not None and plan.check:
       check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
     return _backend(impl, crossover)(x2d, kernel, dy2d, policy=policy, precision=precision,
                                      plan=plan)
 
-  # Each device runs the backend on its own rows (sebp_jax.sharding).
-  dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding,
-                              planned=plan is not None)
+  # Each device runs the backend on its own rows, and plans them (sebp_jax.sharding).
+  dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding, plan=plan)
   return dx, dw, None
 
 

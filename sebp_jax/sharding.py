@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
+from sebp_jax.plan import RowPlan, row_plan
+
 __all__ = ["RowSharding", "sharded_rows", "current_row_sharding", "per_shard_backward",
            "fsdp_spec"]
 
@@ -133,7 +135,8 @@ def fsdp_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> P:
   return P()
 
 
-Backward = Callable[..., tuple]  # (x2d | None, kernel | None, dy2d) -> (dx2d | None, dw | None)
+# (x2d | None, kernel | None, dy2d, plan: RowPlan | None) -> (dx2d | None, dw | None)
+Backward = Callable[..., tuple]
 
 
 def _varying(value) -> frozenset:
@@ -142,15 +145,17 @@ def _varying(value) -> frozenset:
   return frozenset() if mat is None else frozenset(mat.varying)
 
 
-def _local_backward(backward: Backward, x, kernel, dy, *, reduce_over=None):
-  """``backward`` on this device's rows (operands of any rank, rows = all but the last dim).
+def _local_backward(backward: Backward, x, kernel, dy, plan: RowPlan | None, *,
+                    reduce_over=None):
+  """``backward`` on this device's rows (operands of any rank, rows = all but the last dim) and
+  ``plan``, a plan of those rows or ``None``.
 
   ``dW`` is then summed over the mesh axes ``reduce_over``; by default (``None``) over the manual
   axes along which the rows vary and the kernel does not, the ``psum`` that transposing the dense
   product's broadcast of the kernel gives inside ``shard_map(check_vma=True)``.
   """
   x2d = None if x is None else x.reshape(-1, x.shape[-1])
-  dx2d, dw = backward(x2d, kernel, dy.reshape(-1, dy.shape[-1]))
+  dx2d, dw = backward(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan)
   dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
   if dw is not None:
     if reduce_over is None:
@@ -223,14 +228,16 @@ def _sum_partials(partials):
 
 
 def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | None, *,
-                       planned: bool = False):
+                       plan: RowPlan | None = None):
   """The SEBP backward ``(dx, dw)`` of ``x @ kernel`` with each device on its own rows.
 
   Args:
-    backward: the backend on 2-D operands, ``(x2d, kernel, dy2d) -> (dx2d, dw)``.
+    backward: the backend on 2-D operands, ``(x2d, kernel, dy2d, plan) -> (dx2d, dw)``.
     x: ``(..., K)`` or ``None``; kernel: ``(K, N)`` or ``None``; dy: ``(..., N)``.
     rows: the :func:`sharded_rows` in effect when the forward was traced.
-    planned: ``backward`` uses a :class:`sebp_jax.RowPlan`, whose permutation is over all rows.
+    plan: a :class:`sebp_jax.RowPlan` of all of ``dy``'s rows, or ``None``. Where the rows are
+      sharded, each device plans its own from its part of the plan's mask (a permutation of
+      its rows: a few fused XLA ops, no read of ``dy``).
 
   Returns:
     ``(dx, dw)`` as the dense backward returns them: ``dx`` sharded as ``x``, ``dw`` summed over
@@ -258,19 +265,19 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
         f"`with sebp_jax.sharded_rows(axes):` (sharded_rows(()) if none do), or use an "
         f"explicit-sharding mesh.")
     # One device, replicated rows, or inside shard_map: the operands are this device's own.
-    return _local_backward(backward, x, kernel, dy)
+    return _local_backward(backward, x, kernel, dy, plan)
   row_axes = tuple(a for entry in row_entries for a in _spec_axes(entry))
   if not row_axes and not k_axes:
-    return _local_backward(backward, x, kernel, dy)
-  if planned and row_axes:
-    raise ValueError(
-      f"sebp_matmul: a RowPlan orders the rows of the whole batch, but the rows are sharded over "
-      f"{row_axes}: leave `rows=` unset there (each device finds its own rows from dY), or make "
-      f"the plan inside jax.shard_map, from each device's own mask.")
+    return _local_backward(backward, x, kernel, dy, plan)
   k_entry = k_axes or None
-  specs = {"x": P(*row_entries, k_entry), "kernel": P(k_entry, None), "dy": P(*row_entries, None)}
-  present = {name: value for name, value in (("x", x), ("kernel", kernel), ("dy", dy))
-             if value is not None}
+  specs = {"x": P(*row_entries, k_entry), "kernel": P(k_entry, None), "dy": P(*row_entries, None),
+           "keep": P(*row_entries)}
+  # A plan of sharded rows travels as its mask, sharded like the rows; each device re-plans.
+  keep = None if plan is None or not row_axes else plan.keep.reshape(dy.shape[:-1])
+  if keep is not None and explicit:  # its type must say so; a local slice, no collective
+    keep = jax.sharding.reshard(keep, specs["keep"])
+  present = {name: value for name, value in (("x", x), ("kernel", kernel), ("dy", dy),
+                                             ("keep", keep)) if value is not None}
   # Explicit sharding: dW's type is the kernel's, replicated over the row axes, and the psum
   # inside is what the dense transpose does. Automatic: the partial sums leave stacked, for XLA
   # to reduce as it reduces dense's (_sum_partials).
@@ -278,8 +285,9 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
   dw_spec = P(row_axes, k_entry, None) if partial else specs["kernel"]
 
   def body(operands):
+    local_plan = plan if "keep" not in operands else row_plan(operands["keep"], check=plan.check)
     dx, dw = _local_backward(backward, operands.get("x"), operands.get("kernel"),
-                             operands["dy"], reduce_over=() if partial else row_axes)
+                             operands["dy"], local_plan, reduce_over=() if partial else row_axes)
     return dx, (dw[None] if partial else dw)
 
   dx, dw = jax.shard_map(
