@@ -10,7 +10,8 @@
 
 Real token lengths (:mod:`benchmarks.workloads`; ``--workloads`` chooses them), bfloat16, random
 weights. Each device count has a 1-D mesh ``"data"`` over the first GPUs, batches split along it,
-and the SEBP layers told so (:func:`sebp_jax.sharded_rows`). Every device gets the one-device
+and the SEBP layers told so (:func:`sebp_jax.sharded_rows`); SEBP runs as ``sebp finetune`` runs
+it, with the attention mask as row plan and no conditional. Every device gets the one-device
 run's sequences, so the device counts differ in nothing but the devices. Times are medians of wall-clock
 times of three jitted programs, as in :mod:`benchmarks.workloads`: ``fwd`` (the loss), ``grad``
 (loss and gradients; ``bwd = grad - fwd``) and ``step`` (gradients and the AdamW update).
@@ -115,12 +116,15 @@ def programs(spec: ModelSpec, module, variant: str, mesh, optimizer):
   import jax
   import optax
 
-  from sebp_jax import RowPolicy, sharded_rows, swap_dense
+  from sebp_jax import RowPolicy, row_plan, sharded_rows, swap_dense
 
   def loss(params, batch):
     context = contextlib.ExitStack()
     if variant == "sebp":
-      context.enter_context(swap_dense(RowPolicy()))
+      # As `sebp finetune` trains (every workload here is below the crossover): the attention
+      # mask as row plan, which each device re-plans for its rows, and no conditional.
+      plan = row_plan(batch["attention_mask"])
+      context.enter_context(swap_dense(RowPolicy(), crossover=1.0, rows=plan))
       context.enter_context(sharded_rows("data", mesh=mesh))
     with context:
       return spec.jax_loss(module, params, batch)

@@ -26,6 +26,9 @@ Where the rows' sharding comes from:
   an error rather than run replicated; without any mesh in context (``jit`` given shardings only),
   nothing at trace time can tell, and the backward runs as on one device (XLA replicating it).
 
+A row plan (:class:`sebp_jax.RowPlan`) made from the whole batch's mask enters the shard_map as
+that mask, sharded like the rows, and each device orders its own rows from its part.
+
 A layer whose output features are sharded (a column-parallel, tensor-parallel layer: ``dY`` split
 along ``N``) cannot be followed: the row selection needs whole rows, and computing it across
 devices would add a collective. That is an error naming the layer's sharding.
