@@ -649,13 +649,17 @@ def _evaluate(config: _DataConfig, setup: _Setup, params: Params,
   return {name: float(np.mean(values)), "examples": batches * config.batch_size}
 
 
-def _time_ms(steps: _Steps, params, host_batches, placement: _Placement, rngs) -> float:
-  """Median wall time of ``fn(params, batch, rng)`` over the batches, ``fn`` the function
-  ``steps`` picks for each, after one warm-up call of each function used."""
+def _time_ms(pick: Callable[[Batch], Callable], params, host_batches, placement: _Placement,
+             rngs) -> float:
+  """Median wall time of ``fn(params, batch, rng)`` over the batches, ``fn = pick(batch)`` (e.g.
+  :meth:`_Steps.for_batch`), after one warm-up call of each function used."""
+  fns = [pick(batch) for batch in host_batches]
   batches = [placement.batch(batch) for batch in host_batches]
-  fns = [steps.for_batch(batch) for batch in host_batches]
-  for fn in {id(fn): fn for fn in fns}.values():
-    jax.block_until_ready(fn(params, batches[fns.index(fn)], rngs[0]))
+  warmed = set()
+  for fn, batch in zip(fns, batches):
+    if fn not in warmed:
+      jax.block_until_ready(fn(params, batch, rngs[0]))
+      warmed.add(fn)
   samples = []
   for fn, batch, rng in zip(fns, batches, rngs):
     began = time.perf_counter()
@@ -671,14 +675,14 @@ def _timings(config: FinetuneConfig, setup: _Setup, params: Params,
   host_batches = [setup.batch(i, config.batch_size, config.seed)
                   for i in range(config.timing_batches)]
   rngs = [_dropout_key(config.seed, i) for i in range(config.timing_batches)]
+  forward_fn = jax.jit(setup.loss)
+  forward = _time_ms(lambda _: forward_fn, params, host_batches, placement, rngs)
   impl = resolve_impl(config.impl)
-  forward = _time_ms(_Steps(lambda _: jax.jit(setup.loss), None, impl), params, host_batches,
-                     placement, rngs)
   out = {}
   for variant, policy in (("dense", None), ("sebp", parse_policy(config.policy))):
     steps = _Steps(lambda chosen: jax.jit(_grad_fn(setup.loss, chosen, impl, placement)), policy,
                    impl)
-    both = _time_ms(steps, params, host_batches, placement, rngs)
+    both = _time_ms(steps.for_batch, params, host_batches, placement, rngs)
     out[variant] = {"forward_ms": forward, "backward_ms": max(both - forward, 0.0)}
   return out
 
