@@ -9,11 +9,11 @@ decide the same way: :func:`sebp_value_and_grad` decides once, from the batch, a
 per-layer conditionals out.
 
 Under ``jit`` that one decision is still a ``lax.cond``, and XLA:GPU runs a conditional's body
-outside its CUDA graphs: measured on an H100, a BERT-base step with a row plan took 1.1–1.2 ms
-less (of 22) on two of three workloads with ``crossover=1.0`` (no conditional) than with the
-per-step one (``benchmarks/NOTES.md``, "v10"). A training loop that holds its batches on the host
-can decide there instead, with :func:`above_crossover`, between a step jitted with
-``crossover=1.0`` and a dense one.
+outside its CUDA graphs: measured on an H100 (bf16, jax 0.11.2), a BERT-base step with a row
+plan took 1.1–1.2 ms less (of 22) on two of three workloads with ``crossover=1.0`` (no
+conditional) than with the per-step one (``benchmarks/NOTES.md``, "v10"). A training loop that
+holds its batches on the host can decide there instead, with :func:`above_crossover`, between a
+step jitted with ``crossover=1.0`` and a dense one.
 """
 
 from __future__ import annotations
