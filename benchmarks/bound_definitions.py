@@ -1,4 +1,4 @@
-"""How much the definition of the bound moves it: ``jax-bound`` beside two looser definitions.
+"""How much the definition of the bound moves it, and what separates SEBP from it.
 
 The bound of the model benchmarks is the model with every linear layer's backward made free. Three
 ways to make it free, on one model, workload and batch size:
@@ -14,10 +14,22 @@ ways to make it free, on one model, workload and batch size:
 * ``no gradient``: ``stop_gradient`` on both operands of every linear layer. JAX's autodiff never
   builds the backward of anything whose gradient only flows into a linear layer.
 
+And two backwards that do a linear layer's work, towards SEBP:
+
+* ``compacted rows, cuBLAS``: the ceiling of SEBP on this card. Each layer gathers the batch's
+  real rows into a buffer of a static size that holds every timed batch's real tokens (known on
+  the host, so no runtime count), runs both products on them in XLA (cuBLAS) and scatters ``dx``
+  into zeros; the real rows come from the attention mask once per step, as a row plan's do. What
+  it adds to ``jax-bound`` is what every SEBP backward pays: the gather, the products of the real
+  rows and the write of all of ``dx`` (``jax-bound``'s zeros fuse into the ops that read them).
+* ``SEBP, row plan``: the product, as ``sebp finetune`` runs it (``swap_dense`` with the attention
+  mask as :func:`sebp_jax.row_plan`, ``crossover=1.0``; ``--impl``, default ``pallas``).
+
 For each, the forward and the loss-and-gradients program are timed on the device
 (:func:`benchmarks.timing.device_time_ms`), the backward is their difference, and the compiled
 program's instructions are counted. The looser definitions are not bounds of SEBP: they skip work
 SEBP has to do. They show what a bound measured that way would claim.
+``--definitions`` picks some (dense is always measured first: the speedups are over it).
 
 Usage (writes ``bound_definitions_bert_b32_glue_sst2.json`` and ``.md`` under ``--out-dir``)::
 
@@ -28,16 +40,36 @@ Usage (writes ``bound_definitions_bert_b32_glue_sst2.json`` and ``.md`` under ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 import re
 from typing import Any, Callable, Sequence
 
 from benchmarks.workloads import (
-  Settings, free_linear_backward, prepared_workload, single_workload_parser, versions_text,
-  xla_flags_text,
+  Settings, free_linear_backward, is_weight_product, prepared_workload, single_workload_parser,
+  versions_text, xla_flags_text,
 )
 
-__all__ = ["DEFINITIONS", "hlo_instructions", "measure", "markdown_table"]
+__all__ = ["Known", "DEFINITIONS", "static_capacity", "hlo_instructions", "measure",
+           "markdown_table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+  """What a definition's linear layers may know of the batch.
+
+  Attributes:
+    mask: the batch's ``(batch, seq_len)`` attention mask (traced): its non-zero entries are the
+      real tokens, the rows of every linear layer that a padded batch's gradient can reach.
+    capacity: static, at least every timed batch's count of real tokens
+      (:func:`static_capacity`): the size of ``compacted rows, cuBLAS``'s gathered buffers.
+    impl: the SEBP backend of ``SEBP, row plan``.
+  """
+
+  mask: Any
+  capacity: int
+  impl: str = "pallas"
 
 
 def _unread_dy_backward(residuals, dy):
@@ -62,13 +94,79 @@ def _no_gradient() -> contextlib.AbstractContextManager:
   return swap_dot_general(_no_gradient_dot_general)
 
 
-# name -> the context the loss is traced in; "dense" is the reference every speedup is over.
-DEFINITIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-  "dense": contextlib.nullcontext,
-  "jax-bound": free_linear_backward,
-  "zeros, dy unread": lambda: free_linear_backward(_unread_dy_backward),
-  "no gradient": _no_gradient,
+def _compacted_matmul_fwd(x, kernel, rows):
+  from jax import lax
+
+  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), (x, kernel, rows)
+
+
+def _compacted_matmul_bwd(residuals, dy):
+  import jax.numpy as jnp
+
+  x, kernel, rows = residuals
+  x2d, dy2d = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+  exact = dict(mode="promise_in_bounds", unique_indices=True)
+  dy_rows = dy2d.at[rows].get(**exact)
+  dx = jnp.zeros_like(x2d).at[rows].set(dy_rows @ kernel.T, **exact)
+  return dx.reshape(x.shape), x2d.at[rows].get(**exact).T @ dy_rows, None
+
+
+@functools.cache
+def _compacted_matmul():
+  import jax
+
+  matmul = jax.custom_vjp(lambda x, kernel, rows: _compacted_matmul_fwd(x, kernel, rows)[0])
+  matmul.defvjp(_compacted_matmul_fwd, _compacted_matmul_bwd)
+  return matmul
+
+
+def _compacted_rows(known: Known) -> contextlib.AbstractContextManager:
+  """Every linear layer whose rows are the mask's: its backward on ``known.capacity`` gathered
+  rows, the real ones first (the rest are padding rows, whose ``dy`` is zero)."""
+  from jax import lax
+
+  from sebp_jax.linen import swap_dot_general
+  from sebp_jax.policy import active_first_permutation
+
+  perm, _ = active_first_permutation((known.mask != 0).reshape(-1))
+  rows = perm[:known.capacity]
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    if (lhs.shape[:-1] == known.mask.shape
+        and is_weight_product(lhs, rhs, dimension_numbers, preferred_element_type)):
+      return _compacted_matmul()(lhs, rhs, rows)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+  return swap_dot_general(dot_general)
+
+
+def _sebp_row_plan(known: Known) -> contextlib.AbstractContextManager:
+  from sebp_jax import RowPolicy, row_plan, swap_dense
+
+  return swap_dense(RowPolicy(), impl=known.impl, crossover=1.0, rows=row_plan(known.mask))
+
+
+# name -> the context the loss is traced in, given what the layers may know of the batch; "dense"
+# is the reference every speedup is over.
+DEFINITIONS: dict[str, Callable[[Known], contextlib.AbstractContextManager]] = {
+  "dense": lambda known: contextlib.nullcontext(),
+  "jax-bound": lambda known: free_linear_backward(),
+  "zeros, dy unread": lambda known: free_linear_backward(_unread_dy_backward),
+  "no gradient": lambda known: _no_gradient(),
+  "compacted rows, cuBLAS": _compacted_rows,
+  "SEBP, row plan": _sebp_row_plan,
 }
+
+
+def static_capacity(batches: Sequence[dict], multiple: int = 8) -> int:
+  """The most real tokens of any of ``batches``, rounded up to ``multiple`` (at most the padded
+  token count): a static row count that holds every batch's real rows."""
+  import numpy as np
+
+  masks = [np.asarray(batch["attention_mask"]) for batch in batches]
+  most = max(int(np.count_nonzero(mask)) for mask in masks)
+  return min(-(-most // multiple) * multiple, masks[0].size)
 
 # One instruction per line of XLA's HLO text: "  [ROOT ]name = type op(...)".
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
@@ -80,21 +178,22 @@ def hlo_instructions(hlo_text: str) -> int:
 
 
 def measure(loss: Callable[[Any, dict], Any], params: Any, batches: Sequence[dict],
-            definition: str) -> dict:
+            definition: str, *, impl: str = "pallas") -> dict:
   """Forward, loss-and-gradients and backward device time (ms) of ``loss`` traced under one of
   :data:`DEFINITIONS`, and the loss-and-gradients program's instruction count.
 
-  ``loss(params, batch)`` is the model's loss; ``batches`` (>= 2, the same shapes) are the
-  distinct inputs the timing alternates over.
+  ``loss(params, batch)`` is the model's loss; ``batches`` (>= 2, the same shapes, each with an
+  ``attention_mask``) are the distinct inputs the timing alternates over; ``impl`` is the SEBP
+  backend of ``SEBP, row plan``.
   """
   import jax
 
   from benchmarks.timing import device_time_ms
 
-  context = DEFINITIONS[definition]
+  context, capacity = DEFINITIONS[definition], static_capacity(batches)
 
   def traced_loss(params, batch):
-    with context():
+    with context(Known(batch["attention_mask"], capacity, impl)):
       return loss(params, batch)
 
   value_and_grad = jax.value_and_grad(traced_loss)
@@ -131,6 +230,11 @@ def markdown_table(result: dict) -> str:
 def _main(argv: Sequence[str] | None = None) -> None:
   parser = single_workload_parser("python -m benchmarks.bound_definitions")
   parser.add_argument("--reps", type=int, default=6, help="distinct batches timed (>= 2)")
+  parser.add_argument("--definitions", nargs="+", choices=list(DEFINITIONS)[1:],
+                      default=list(DEFINITIONS)[1:], metavar="NAME",
+                      help=f"besides dense (default: all): {', '.join(list(DEFINITIONS)[1:])}")
+  parser.add_argument("--impl", default="pallas", choices=["pallas", "interpret", "xla"],
+                      help="the SEBP backend of 'SEBP, row plan' (default pallas)")
   args = parser.parse_args(argv)
   if args.reps < 2:
     parser.error("--reps must be >= 2")
@@ -143,8 +247,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
   result = {**header, "rows": []}
   stem = f"bound_definitions_{stem}"
   args.out_dir.mkdir(parents=True, exist_ok=True)
-  for definition in DEFINITIONS:
-    row = measure(loss, params, batches, definition)
+  for definition in ["dense", *args.definitions]:
+    row = measure(loss, params, batches, definition, impl=args.impl)
     result["rows"].append(row)
     print(f"{definition}: fwd {row['fwd_ms']:.2f} ms, bwd {row['bwd_ms']:.2f} ms, "
           f"{row['hlo_instructions']} instructions", flush=True)
