@@ -168,6 +168,8 @@ def main(impl: str, cases: list[str]) -> None:
       with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params, reshard(x, P("data")))
       print(json.dumps({"case": case, "pallas_calls": str(jaxpr).count("pallas_call")}))
+    elif case == "plan_once_per_step":
+      _plan_scans(planned_mm, x, n)
     elif case.startswith("value_and_grad_"):
       _value_and_grad(case, impl, auto[case.removeprefix("value_and_grad_")], params, x)
     elif case == "finetune":
@@ -199,6 +201,28 @@ def main(impl: str, cases: list[str]) -> None:
       print(json.dumps({"case": case, "impl": impl, "messages": messages}))
     else:
       raise SystemExit(f"unknown case {case!r}")
+
+
+def _plan_scans(planned_mm, x, n: int) -> None:
+  """The prefix sums (``reduce-window``) of data-parallel programs of 2 and of 5 planned layers:
+  each layer re-plans its device's rows from the same mask, and XLA computes that plan once."""
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+  scans = {}
+  for depth in (2, 5):
+    weights = tuple(jnp.eye(K) * (1.0 + 0.1 * i) for i in range(depth))
+
+    def loss(weights, x):
+      with sharded_rows("data"):
+        for w in weights:
+          x = jnp.tanh(planned_mm(x, w))
+      return jnp.sum(x[:, :REAL] ** 2)
+
+    with jax.set_mesh(mesh):
+      text = jax.jit(jax.grad(loss), in_shardings=(NamedSharding(mesh, P()),
+                                                   NamedSharding(mesh, P("data")))
+                     ).lower(weights, x).compile().as_text()
+    scans[depth] = len(re.findall(r" reduce-window\(", text))
+  print(json.dumps({"case": "plan_once_per_step", "scans": scans}), flush=True)
 
 
 def _value_and_grad(case, impl, layout, params, x) -> None:

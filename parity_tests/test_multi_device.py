@@ -25,7 +25,7 @@ CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked"
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.
 CASES_BY_IMPL = {"xla": CASES + ("shard_map", "errors", "finetune", "value_and_grad_data_parallel",
-                                  "value_and_grad_fsdp"),
+                                  "value_and_grad_fsdp", "plan_once_per_step"),
                  "interpret": CASES + ("pallas_traces_in_shard_map",),
                  "pallas": CASES + ("shard_map",)}
 
@@ -71,6 +71,13 @@ def test_pallas_kernels_trace_inside_checked_shard_map():
   # Tracing raised "manual_axis_type on jax.ShapeDtypeStruct must not be None" before; how many
   # kernels a layer launches depends on the kernel version.
   assert _results("interpret")["pallas_traces_in_shard_map"]["pallas_calls"] > 0
+
+
+def test_each_devices_plan_is_made_once_per_step_not_per_layer():
+  # Every planned layer re-plans its device's rows from the same mask; XLA's common
+  # subexpression elimination leaves one plan (its prefix sums) whatever the depth.
+  scans = _results("xla")["plan_once_per_step"]["scans"]
+  assert scans["2"] == scans["5"] > 0, scans
 
 
 def test_unfollowable_sharding_is_an_error_naming_the_fix():
