@@ -147,6 +147,7 @@ def test_tiny_bert_end_to_end(tmp_path):
   bound_definitions._main(["--model", "bert", "--tiny", "--batch", "2", "--workload", "trec",
                            "--reps", "2", "--impl", "interpret", "--out-dir", str(tmp_path)])
   result = json.loads((tmp_path / "bound_definitions_bert_tiny_b2_trec.json").read_text())
+  assert result["reps"] == 2
   rows = {row["definition"]: row for row in result["rows"]}
   assert list(rows) == list(bound_definitions.DEFINITIONS)
   for row in rows.values():
