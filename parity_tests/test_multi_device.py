@@ -130,3 +130,6 @@ def test_benchmark_summary_from_rows(tmp_path):
   assert [p.suffix for p in paths] == [".json", ".md", ".png"]
   assert "test card" in paths[1].read_text()
   assert "XLA_FLAGS: `--xla_gpu_enable_pipelined_all_gather=true`" in paths[1].read_text()
+  # step − fwd − bwd, e.g. 8.0 − 1.0 − 2.0 for one device's SEBP row; none where a time is missing
+  assert "| 2.00 | 8.00 | 5.00 |" in paths[1].read_text()
+  assert multi_device.rest_ms({**rows[0], "step_ms": None}) is None
