@@ -236,8 +236,8 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def rest_ms(row: dict) -> float | None:
   """The step's time outside its forward and backward: the optimizer update, plus whatever the
-  step program does differently from the separately timed gradient program (v11's one-GPU LLaMA
-  SEBP step: 15.8 ms here against dense's 6.6)."""
+  step program does differently from the separately timed gradient program; ``None`` where a
+  time is missing."""
   parts = (row["step_ms"], row["fwd_ms"], row["bwd_ms"])
   return None if None in parts else parts[0] - parts[1] - parts[2]
 

@@ -103,9 +103,9 @@ __all__ = [
   "EINSUM_BASELINE", "COMMAND_BUFFERS_BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
-  "is_weight_product", "Settings", "random_params", "workload_batches", "jax_loss_and_grad", "library_versions",
-  "versions_text", "single_workload_parser", "xla_flags_text", "prepared_workload",
-  "TORCH_CROSSOVER",
+  "is_weight_product", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
+  "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
+  "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
