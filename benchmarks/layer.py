@@ -118,8 +118,10 @@ def _relative_error(got, want) -> float:
 
 
 def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[str], dtype: Any,
-        reps: int, timer: Callable[..., dict[str, list[float]]], input_sets: int = 1) -> list[dict]:
-  """Time every impl (and the ideal) at every shape and fraction; one result row each."""
+        reps: int, timer: Callable[..., dict[str, list[float]]], input_sets: int = 1,
+        on_point: Callable[[list[dict]], None] | None = None) -> list[dict]:
+  """Time every impl (and the ideal) at every shape and fraction; one result row each.
+  ``on_point(rows)`` is called with the rows so far after each (shape, fraction)."""
   rows = []
   for shape_name in shape_names:
     shape = LAYER_SHAPES[shape_name]
@@ -152,6 +154,8 @@ def run(shape_names: Sequence[str], fractions: Sequence[float], impls: Sequence[
                      "rel_err_vs_dense": errors.get(impl)})
       print(f"{shape_name:>14} {count / shape.rows:6.1%}  " + "  ".join(
         f"{impl}={ms:.3f}ms" for impl, ms in times.items()), flush=True)
+      if on_point is not None:
+        on_point(rows)
   return rows
 
 
@@ -198,23 +202,28 @@ def main(argv: Sequence[str] | None = None) -> None:
 
   # Wall times on a shared host scale with its load: record it beside the numbers.
   load = {"start": os.getloadavg()[0]}
+  env = environment()
+
+  def write(rows: list[dict]) -> str:
+    load["end"] = os.getloadavg()[0]
+    table = markdown_table(rows)
+    if args.out:  # after every point: a run cut off by a time limit keeps what it measured
+      result = {"gpu": env["device"] if env["platform"] == "gpu" else None, **env,
+                "cpu_count": os.cpu_count(), "load_average_1min": load, "dtype": args.dtype,
+                "timer": args.timer, "reps": args.reps, "input_sets": args.input_sets,
+                "rows": rows}
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      args.out.write_text(json.dumps(result, indent=1) + "\n")
+      args.out.with_suffix(".md").write_text(
+        f"Backward of one linear layer, {args.dtype}, on {env['device']} ({os.cpu_count()} "
+        f"cores, 1-min load {load['start']:.1f} at start, {load['end']:.1f} at end; "
+        f"{args.timer} timer, median of {args.reps}, {args.input_sets} input sets; speedups are "
+        f"medians of per-round ratios); jax {env['versions']['jax']}.\n\n{table}\n")
+    return table
+
   rows = run(args.shapes, args.fractions, args.impls, jnp.dtype(args.dtype), args.reps,
-             TIMERS[args.timer], args.input_sets)
-  load["end"] = os.getloadavg()[0]
-  table = markdown_table(rows)
-  print(table)
-  if args.out:
-    env = environment()
-    result = {"gpu": env["device"] if env["platform"] == "gpu" else None, **env,
-              "cpu_count": os.cpu_count(), "load_average_1min": load, "dtype": args.dtype,
-              "timer": args.timer, "reps": args.reps, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(
-      f"Backward of one linear layer, {args.dtype}, on {env['device']} ({os.cpu_count()} cores, "
-      f"1-min load {load['start']:.1f} at start, {load['end']:.1f} at end; {args.timer} timer, "
-      f"median of {args.reps}; speedups are medians of per-round ratios); "
-      f"jax {env['versions']['jax']}.\n\n{table}\n")
+             TIMERS[args.timer], args.input_sets, on_point=write)
+  print(write(rows))
 
 
 if __name__ == "__main__":

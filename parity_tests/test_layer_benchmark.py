@@ -6,6 +6,8 @@ rows, not any time.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -39,3 +41,31 @@ def test_each_input_sets_ideal_keeps_its_own_rows(monkeypatch):
   assert {r["active_rows"] for r in rows} == {np.mean(counts)}
   assert all(r["active_rows_per_set"] == counts for r in rows)
   assert all(r["rel_err_vs_dense"] < 1e-6 for r in rows if r["impl"] == "xla-nocond")
+
+
+
+class _CutOff(Exception):
+  pass
+
+
+def test_a_cut_off_run_keeps_its_points(monkeypatch, tmp_path):
+  """The JSON is rewritten after every point, so a time limit mid-run loses only the point in
+  flight (v12's LLaMA layers ran out of time before a JSON written once at the end)."""
+  monkeypatch.setitem(layer.LAYER_SHAPES, "tiny", TINY)
+  points = []
+
+  def timer_cut_off_at_second_point(cases, *, trials):
+    points.append(cases)
+    if len(points) > 1:
+      raise _CutOff
+    return {name: [1.0] * trials for name in cases}
+
+  monkeypatch.setitem(layer.TIMERS, "wall", timer_cut_off_at_second_point)
+  out = tmp_path / "layer.json"
+  with pytest.raises(_CutOff):
+    layer.main(["--shapes", "tiny", "--fractions", "0.3", "0.6", "--impls", "xla", "dense",
+                "--reps", "1", "--timer", "wall", "--out", str(out)])
+  result = json.loads(out.read_text())
+  assert len({r["active_fraction"] for r in result["rows"]}) == 1
+  assert {r["impl"] for r in result["rows"]} == {"xla", "dense", layer.IDEAL}
+  assert result["input_sets"] == 1 and out.with_suffix(".md").exists()
