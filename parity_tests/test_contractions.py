@@ -9,6 +9,7 @@ ran), and the traced program holds one SEBP rule (``custom_vjp_call``) per swapp
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -60,6 +61,7 @@ DOT_CASES = {
   "BTNH,NHD": ((2, 9, 3, 4), (3, 4, 5), (((2, 3), (0, 1)), ((), ()))),
   "BTNH,HND": ((2, 9, 3, 4), (4, 3, 5), (((2, 3), (1, 0)), ((), ()))),
   "BTD,NDH": ((2, 9, 6), (3, 6, 4), (((2,), (1,)), ((), ()))),
+  "BTD,NHD": ((2, 9, 6), (3, 4, 6), (((2,), (2,)), ((), ()))),  # stored (N..., K): read as is
   "DBT,DN": ((6, 9, 2), (6, 5), (((0,), (0,)), ((), ()))),  # tokens not in front, K first
 }
 
@@ -99,6 +101,23 @@ def test_matmul_view_keeps_the_activation_in_place():
                                                  _dot_general=SEBPDotGeneral(impl="xla")))(
     jnp.ones((2, 9, 3, 4)), jnp.ones((3, 4, 5)))
   assert count_primitive(jaxpr, "transpose") == 0
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("case", ["x@w.T", "BTD,NHD"])
+def test_a_weight_stored_out_by_in_is_never_transposed(impl, case):
+  # x @ w.T (a tied output embedding): the backward reads w as stored and writes its gradient in
+  # that layout, so the compiled gradient holds no copy or transpose of a weight-sized array
+  # (before, dW was made (K, N) and transposed: a layout-changing copy on the CPU).
+  x_shape, w_shape, dims = DOT_CASES[case]
+  x = jnp.ones(x_shape).at[:, 5:].set(0.0)
+  w = jnp.ones(w_shape)
+  assert matmul_view(x_shape, w_shape, dims).rhs_nk
+  loss = lambda x, w: jnp.sum(SEBPDotGeneral(impl=impl)(x, w, dims) ** 2)  # noqa: E731
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+  moved = [shape for shape in re.findall(r"= f32\[([\d,]+)\]\S* (?:copy|transpose)\(", text)
+           if np.prod([int(d) for d in shape.split(",")]) == w.size]
+  assert not moved, moved
 
 
 def test_batched_contractions_stay_dense():

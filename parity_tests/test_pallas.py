@@ -46,12 +46,17 @@ def _case(rng, num_rows, in_features, out_features, kept, dtype, *, quiet=0.0):
   return cast(x), cast(kernel), cast(dy)
 
 
-def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES):
+def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=False):
+  """The backward against the reference; ``kernel_nk``: handed the kernel stored ``(N, K)``, its
+  ``dw`` must come back in that layout."""
   precision = jax.lax.Precision.HIGHEST  # IEEE float32 in the kernels, as in the reference
   backward = jax.jit(lambda x, k, dy: pallas_backend.backward(
-    x, k, dy, policy=policy, precision=precision, interpret=interpret, config=config))
-  dx, dw = backward(x, kernel, dy)
+    x, k, dy, policy=policy, precision=precision, interpret=interpret, config=config,
+    kernel_nk=kernel_nk))
+  dx, dw = backward(x, kernel.T if kernel_nk else kernel, dy)
   want_dx, want_dw = sebp_reference(x, kernel, None, dy, policy.threshold, policy.max_rows)
+  if kernel_nk:
+    want_dw = want_dw.T
   assert dx.dtype == x.dtype and dw.dtype == kernel.dtype
   assert_close(dx, want_dx, x.dtype, what="dx")
   assert_close(dw, want_dw, x.dtype, what="dw")
@@ -86,6 +91,19 @@ def test_count_around_block_boundaries(interpret, split, count):
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   _check(*_case(rng, num_rows, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
          config=config)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("split", SPLITS, ids=_split_id)
+@pytest.mark.parametrize("count", [0, 17, 75])
+def test_kernel_stored_out_by_in(interpret, split, count):
+  # A tied output embedding's layout: dX reads the (N, K) kernel as stored, dW is written in it
+  # (its GEMM with the operands and the tile's sides swapped: dw_k 16 over N, dw_n 32 over K).
+  rng = np.random.default_rng(count + 1)
+  kept = np.sort(rng.choice(75, count, replace=False))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  _check(*_case(rng, 75, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
+         config=config, kernel_nk=True)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -297,13 +315,15 @@ def test_bad_dx_split_is_named(split):
                                         dx_fill=132)],
                          ids=["plain", "dw_split", "dx_split", "dx_split_all_rows", "in_place",
                               "in_place_dx_split"])
-def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split):
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
                                          "crossover": 0.4})
   # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
   # without the gather.
   expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
-  assert _exported_kernel_count(config, dtype, 500, 192, 320, policy) == expected
+  assert _exported_kernel_count(config, dtype, 500, 192, 320, policy,
+                                kernel_nk=kernel_nk) == expected
 
 
 @pytest.mark.parametrize("key", sorted(pallas_backend._BLOCK_TABLE), ids=str)
@@ -318,11 +338,13 @@ def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
   config = pallas_backend.with_dx_split(config, num_rows, in_features)
   # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
   expected = 3 + config.compact + (config.dx_split > 1)
-  assert _exported_kernel_count(config, dtype, num_rows, in_features, out_features) == expected
+  # A vocabulary-wide layer is typically a tied embedding, stored (N, K).
+  assert _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
+                                kernel_nk=key[2] == "vocab") == expected
 
 
 def _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
-                           policy=RowPolicy()) -> int:
+                           policy=RowPolicy(), kernel_nk=False) -> int:
   """Pallas-Triton kernels in the CUDA export of the backward under ``config`` (lowered, not run).
 
   The Pallas-to-Triton lowering runs at JAX lowering time, on any host: exporting for CUDA
@@ -331,10 +353,12 @@ def _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
   which is the one check disabled here."""
   from jax import export
 
+  kernel_shape = (out_features, in_features) if kernel_nk else (in_features, out_features)
   shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in (
-    (num_rows, in_features), (in_features, out_features), (num_rows, out_features))]
+    (num_rows, in_features), kernel_shape, (num_rows, out_features))]
   backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=policy,
-                                                              config=config))
+                                                              config=config,
+                                                              kernel_nk=kernel_nk))
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)

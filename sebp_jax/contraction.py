@@ -36,10 +36,14 @@ class MatmulView:
     lhs_perm: the transpose putting ``lhs``'s free dims first and its contracting dims last (in
       their order in ``lhs``); ``None`` where ``lhs`` already is in that order.
     rhs_perm: the transpose putting ``rhs``'s contracting dims first (in the order of their
-      partners in ``lhs``) and its free dims last; ``None`` where already so.
+      partners in ``lhs``) and its free dims last; ``None`` where already so, or where
+      ``rhs_nk``.
     rows_shape: the sizes of ``lhs``'s free dims: the product's rows, unflattened.
     k: the product of the contracting sizes.
     n_shape: the sizes of ``rhs``'s free dims.
+    rhs_nk: ``rhs`` is stored the other way round, its free dims first and its contracting dims
+      last (``x @ w.T``: a tied output embedding, a PyTorch-layout weight). It is then viewed as
+      ``(N, K)``, which the SEBP backward reads as it is (``sebp_matmul(transpose_kernel=True)``).
   """
 
   lhs_perm: tuple[int, ...] | None
@@ -47,18 +51,21 @@ class MatmulView:
   rows_shape: tuple[int, ...]
   k: int
   n_shape: tuple[int, ...]
+  rhs_nk: bool = False
 
   def operands(self, lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(x, w)``: ``x`` of shape ``(*rows_shape, K)`` (``(1, K)`` without free dims: rank >= 2)
-    and ``w`` of shape ``(K, N)``. Reshapes that only merge adjacent dims are free (bitcasts);
-    a transpose happens only where ``lhs_perm`` / ``rhs_perm`` is not ``None``."""
+    and ``w`` of shape ``(K, N)``, or ``(N, K)`` where ``rhs_nk``. Reshapes that only merge
+    adjacent dims are free (bitcasts); a transpose happens only where ``lhs_perm`` /
+    ``rhs_perm`` is not ``None``."""
     if self.lhs_perm is not None:
       lhs = jnp.transpose(lhs, self.lhs_perm)
     if self.rhs_perm is not None:
       rhs = jnp.transpose(rhs, self.rhs_perm)
     x_shape = (*self.rows_shape, self.k) if self.rows_shape else (1, self.k)
     x = lhs if lhs.shape == x_shape else lhs.reshape(x_shape)
-    w_shape = (self.k, math.prod(self.n_shape))
+    n = math.prod(self.n_shape)
+    w_shape = (n, self.k) if self.rhs_nk else (self.k, n)
     w = rhs if rhs.shape == w_shape else rhs.reshape(w_shape)
     return x, w
 
@@ -90,8 +97,9 @@ def matmul_view(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
   >>> v = matmul_view((2, 7, 4, 8), (4, 8, 16), (((2, 3), (0, 1)), ((), ())))  # BTNH,NHD->BTD
   >>> v.lhs_perm, v.rhs_perm, v.rows_shape, v.k, v.n_shape
   (None, None, (2, 7), 32, (16,))
-  >>> matmul_view((2, 7, 3), (5, 3), (((2,), (1,)), ((), ()))).rhs_perm   # x @ w.T
-  (1, 0)
+  >>> v = matmul_view((2, 7, 3), (5, 3), (((2,), (1,)), ((), ())))   # x @ w.T
+  >>> v.rhs_perm, v.rhs_nk
+  (None, True)
   """
   if dense_reason(dimension_numbers) is not None:
     return None
@@ -106,12 +114,16 @@ def matmul_view(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
   lhs_free = tuple(d for d in range(len(lhs_shape)) if d not in lhs_contract)
   rhs_free = tuple(d for d in range(len(rhs_shape)) if d not in rhs_contract)
   identity = lambda perm: None if perm == tuple(range(len(perm))) else perm  # noqa: E731
+  rhs_perm = identity(rhs_contract + rhs_free)
+  # Stored (free..., contracting...): viewed as (N, K) as it is, rather than transposed.
+  rhs_nk = rhs_perm is not None and identity(rhs_free + rhs_contract) is None
   return MatmulView(
     lhs_perm=identity(lhs_free + lhs_contract),
-    rhs_perm=identity(rhs_contract + rhs_free),
+    rhs_perm=None if rhs_nk else rhs_perm,
     rows_shape=tuple(lhs_shape[d] for d in lhs_free),
     k=math.prod(lhs_shape[d] for d in lhs_contract),
     n_shape=tuple(rhs_shape[d] for d in rhs_free),
+    rhs_nk=rhs_nk,
   )
 
 

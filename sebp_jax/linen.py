@@ -417,6 +417,8 @@ def _kernel_shape(module: nn.Module, kind: str) -> tuple[int, ...]:
 
 def _embed_attend(module: nn.Embed, query: jax.Array, *,
                   dot_general: Callable[..., jax.Array]) -> jax.Array:
-  """``nn.Embed.attend`` (``query @ embedding.T``) through ``dot_general``."""
+  """``nn.Embed.attend`` (``query @ embedding.T``) through ``dot_general``, the embedding as
+  stored (``(vocabulary, features)``, contracted on its last dim): the SEBP backward reads it and
+  writes its gradient in that layout."""
   query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
-  return dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
+  return dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))

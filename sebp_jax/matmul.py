@@ -61,7 +61,7 @@ def _backend(impl: str, crossover: float | None):
                            crossover=crossover)
 
 
-def _check_operands(x, kernel, bias) -> None:
+def _check_operands(x, kernel, bias, transpose_kernel: bool = False) -> None:
   for name, value in (("x", x), ("kernel", kernel), ("bias", bias)):
     if value is None:
       continue
@@ -73,16 +73,20 @@ def _check_operands(x, kernel, bias) -> None:
   if x.ndim < 2:
     raise ValueError(
       f"sebp_matmul: `x` must have rank >= 2, (..., in_features), got shape {x.shape}.")
+  if not isinstance(transpose_kernel, bool):
+    raise TypeError(f"sebp_matmul: `transpose_kernel` must be a bool, got {transpose_kernel!r}.")
+  layout = "(out_features, in_features) with transpose_kernel=True" if transpose_kernel else (
+    "(in_features, out_features)")
   if kernel.ndim != 2:
-    raise ValueError(
-      f"sebp_matmul: `kernel` must be 2-D (in_features, out_features), got shape {kernel.shape}.")
-  if x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"sebp_matmul: `kernel` must be 2-D {layout}, got shape {kernel.shape}.")
+  in_features, out_features = kernel.shape[::-1] if transpose_kernel else kernel.shape
+  if x.shape[-1] != in_features:
     raise ValueError(
       f"sebp_matmul: `x` has {x.shape[-1]} input features (shape {x.shape}) but `kernel` "
-      f"expects {kernel.shape[0]} (shape {kernel.shape}).")
-  if bias is not None and bias.shape != (kernel.shape[1],):
+      f"expects {in_features} (shape {kernel.shape}, {layout}).")
+  if bias is not None and bias.shape != (out_features,):
     raise ValueError(
-      f"sebp_matmul: `bias` must have shape ({kernel.shape[1]},), got {bias.shape}.")
+      f"sebp_matmul: `bias` must have shape ({out_features},), got {bias.shape}.")
 
 
 def _check_rows(rows, policy: RowPolicy) -> None:
@@ -102,14 +106,16 @@ def _forward(x, kernel, precision, out_dtype=None):
                          preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+# `kernel` is always the (K, N) operand of the product. `kernel_nk`: it is the transpose of a
+# weight stored (N, K), which the backend is handed as stored (see _sebp_product_bwd).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
 def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name,
-                  sharding: RowSharding | None, out_dtype, x, kernel, plan):
+                  sharding: RowSharding | None, out_dtype, kernel_nk: bool, x, kernel, plan):
   return _forward(x, kernel, precision, out_dtype)
 
 
-def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, out_dtype, x, kernel,
-                      plan):
+def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, out_dtype, kernel_nk,
+                      x, kernel, plan):
   # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
   # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
   y = _forward(x.value, kernel.value, precision, out_dtype)
@@ -119,8 +125,8 @@ def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, out_dt
   return y, (saved_x, saved_kernel, plan)
 
 
-def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dtype, residuals,
-                      dy):
+def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dtype, kernel_nk,
+                      residuals, dy):
   saved_x, saved_kernel, plan = residuals
   if isinstance(dy, SymbolicZero):
     return None, None, None
@@ -132,8 +138,16 @@ def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dt
   def backend(x2d, kernel, dy2d, plan):
     if plan is not None and plan.check:
       check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
-    return _backend(impl, crossover)(x2d, kernel, dy2d, policy=policy, precision=precision,
-                                     plan=plan)
+    run = functools.partial(_backend(impl, crossover), policy=policy, precision=precision,
+                            plan=plan)
+    if not kernel_nk:
+      return run(x2d, kernel, dy2d)
+    # The backend reads the weight as stored and writes dW in that layout; XLA cancels these
+    # two transposes against sebp_matmul's `kernel.T` and its gradient's, so neither the weight
+    # nor dW is transposed in memory (a transposed dW of a tied LM head, fused into the
+    # optimizer update, was the costliest kernel of a LLaMA step: benchmarks/NOTES.md, "v12").
+    dx, dw = run(x2d, None if kernel is None else kernel.T, dy2d, kernel_nk=True)
+    return dx, None if dw is None else dw.T
 
   # Each device runs the backend on its own rows, and plans them (sebp_jax.sharding).
   dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding, plan=plan)
@@ -155,6 +169,7 @@ def sebp_matmul(
   rows: RowPlan | None = None,
   name: str | None = None,
   preferred_element_type: Any = None,
+  transpose_kernel: bool = False,
 ) -> jax.Array:
   """``x @ kernel + bias`` with the SEBP backward.
 
@@ -164,7 +179,7 @@ def sebp_matmul(
 
   Args:
     x: ``(..., K)`` input, rank >= 2 (all leading dims are rows).
-    kernel: ``(K, N)`` weight, Flax layout.
+    kernel: ``(K, N)`` weight, Flax layout; ``(N, K)`` with ``transpose_kernel``.
     bias: optional ``(N,)``.
     policy: which gradient rows to keep (:class:`RowPolicy`); the default is exact.
     impl: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"pallas"``, ``"xla"``, ``"interpret"``
@@ -186,6 +201,9 @@ def sebp_matmul(
       bfloat16 operands: the product is not rounded to bfloat16); ``None``: the operands'
       promoted dtype. The backward still runs in the operands' dtype, with float32
       accumulation.
+    transpose_kernel: ``kernel`` is stored ``(N, K)`` and the product is ``x @ kernel.T`` (a
+      tied output embedding, a PyTorch-layout weight). The backward reads it in that layout
+      and returns its gradient in it: neither is transposed in memory.
 
   Returns:
     ``(..., N)`` output in ``preferred_element_type`` or else the promoted dtype of ``x``,
@@ -198,7 +216,7 @@ def sebp_matmul(
   >>> jax.tree.map(jnp.shape, jax.grad(loss, argnums=(0, 1))(x, w))
   ((2, 5, 3), (3, 4))
   """
-  _check_operands(x, kernel, bias)
+  _check_operands(x, kernel, bias, transpose_kernel)
   if not isinstance(policy, RowPolicy):
     raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
   _check_crossover(crossover)
@@ -211,13 +229,15 @@ def sebp_matmul(
   out_dtype = (None if preferred_element_type is None
                or jnp.dtype(preferred_element_type) == dtype else jnp.dtype(preferred_element_type))
   x, kernel = x.astype(dtype), kernel.astype(dtype)
+  if transpose_kernel:
+    kernel = kernel.T  # a view for XLA: the product and the backward read the stored layout
   if impl == "dense":
     y = _forward(x, kernel, precision, out_dtype)
   else:
     plan = rows if rows is not None and rows.applies_to(x) else None
     # The sebp_jax.sharded_rows in effect now, when the forward is traced.
     y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(),
-                      out_dtype, x, kernel, plan)
+                      out_dtype, transpose_kernel, x, kernel, plan)
   if bias is not None:
     # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
     # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
@@ -273,7 +293,8 @@ class SEBPDotGeneral:
     x, w = view.operands(lhs, rhs)
     y = view.result(sebp_matmul(x, w, policy=self.policy, impl=self.impl, precision=precision,
                                 crossover=self.crossover, rows=self.rows, name=self.name,
-                                preferred_element_type=preferred_element_type))
+                                preferred_element_type=preferred_element_type,
+                                transpose_kernel=view.rhs_nk))
     if out_sharding is not None:
       y = jax.sharding.reshard(y, out_sharding)
     return y

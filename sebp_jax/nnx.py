@@ -56,7 +56,9 @@ class _SEBPAttendEmbed(nnx.Embed):
 
   def attend(self, query, out_sharding=None):
     query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-    return self.attend_dot_general(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())),
+    # The embedding as stored, contracted on its last dim: the SEBP backward reads it and
+    # writes its gradient in that layout (no transpose of either).
+    return self.attend_dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())),
                                    out_sharding=out_sharding)
 
 

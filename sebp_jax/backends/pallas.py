@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, dense_backward
+from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, DX_NK_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
@@ -447,7 +447,8 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, fill: int, split: int):
 
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               split: int, split_rows: int, fill: int, compact: bool = True):
+               split: int, split_rows: int, fill: int, compact: bool = True,
+               kernel_nk: bool = False):
   """One program of the dX GEMM.
 
   Without a split region (``split_rows == 0``) every program is an *ordinary* one: the
@@ -461,9 +462,10 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
   the working (tile, part) pairs densely from program 0 starts the long loops first, whatever
   ``count`` is, and puts the programs that only exit or store zeros behind them.
 
-  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``.
+  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``. ``kernel``: ``(K, N)``,
+  or ``(N, K)`` with ``kernel_nk``.
   """
-  col_blocks = kernel_ref.shape[0] // block_k
+  col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
   total = dyc_ref.shape[1] // block_n
   count = count_ref[0]
   program = pl.program_id(0)
@@ -493,8 +495,9 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
 
   def step(n, acc):
     span = pl.ds((first_step + n) * block_n, block_n)
-    return acc + lax.dot_general(load_dy(dyc_ref, span), kernel_ref[cols, span],
-                                 DX_DIMS, precision=precision,
+    weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
+    return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
+                                 DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
 
   # A block past `count` runs no step (and an ordinary one stores zeros). A trip count, not a
@@ -586,7 +589,7 @@ _DX_REDUCE_WARPS = 4
 
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
-              interpret: bool = False) -> jax.Array:
+              interpret: bool = False, kernel_nk: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   One GEMM launch (``sebp_dx``); with ``config.dx_split > 1`` also a reduction launch
@@ -595,21 +598,21 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
       when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
-    kernel: ``(K, N)`` with ``K % dx_k == 0``.
+    kernel: ``(K, N)`` with ``K % dx_k == 0``; ``(N, K)`` with ``kernel_nk``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
   num_rows, out_features = dyc.shape
-  in_features = kernel.shape[0]
+  in_features = kernel.shape[1 if kernel_nk else 0]
   col_blocks = in_features // config.dx_k
   split, split_rows = _dx_split(num_rows, out_features // config.dx_n, config)
   launch = functools.partial(_launch, interpret=interpret)
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
                            split=split, split_rows=split_rows, fill=config.dx_fill,
-                           compact=config.compact)
+                           compact=config.compact, kernel_nk=kernel_nk)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
   split_tiles = split_rows // config.dx_m * col_blocks
   grid = (split_tiles * split + (num_rows - split_rows) // config.dx_m * col_blocks,)
@@ -653,8 +656,8 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
   return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
 
 
-def _in_features(x, kernel) -> int:
-  return kernel.shape[0] if kernel is not None else x.shape[1]
+def _in_features(x, kernel, kernel_nk: bool) -> int:
+  return kernel.shape[1 if kernel_nk else 0] if kernel is not None else x.shape[1]
 
 
 def _row_block(config: BlockConfig) -> int:
@@ -663,11 +666,12 @@ def _row_block(config: BlockConfig) -> int:
 
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
-                    interpret: bool = False):
+                    interpret: bool = False, kernel_nk: bool = False):
   """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
-  partition ``(perm, count)``; operands padded to whole tiles where needed."""
+  partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk``: as in
+  :func:`backward`."""
   num_rows, out_features = dy.shape
-  in_features = _in_features(x, kernel)
+  in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
   k_pad = _round_up(in_features, max(config.dx_k, config.dw_k))
   n_pad = _round_up(out_features, max(config.dx_n, config.dw_n))
@@ -680,10 +684,18 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   dyc, *xc = sources
   dx = dw = None
   if kernel is not None:
-    dx = dx_pallas(dyc, _pad_to(kernel, (k_pad, n_pad)), perm, count, config=config,
-                   precision=precision, interpret=interpret)
+    dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
+                   count, config=config, precision=precision, interpret=interpret,
+                   kernel_nk=kernel_nk)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
-  if x is not None:
+  if x is not None and kernel_nk:
+    # dW in the kernel's (N, K) layout: the same GEMM with its operands swapped, its tile's two
+    # sides too (the padding above is by tile side, so it still fits).
+    swapped = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
+    dw = dw_pallas(dyc, xc[0], perm, count, config=swapped, precision=precision,
+                   interpret=interpret)
+    dw = dw[:out_features, :in_features] if dw.shape != (out_features, in_features) else dw
+  elif x is not None:
     dw = dw_pallas(xc[0], dyc, perm, count, config=config, precision=precision,
                    interpret=interpret)
     dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
@@ -692,7 +704,7 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
 
 def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,
              config: BlockConfig | None = None, crossover: float | None = None,
-             plan: RowPlan | None = None):
+             plan: RowPlan | None = None, kernel_nk: bool = False):
   """SEBP backward of ``y = x @ kernel`` through the Pallas kernels.
 
   Args:
@@ -706,13 +718,15 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     crossover: overrides ``config.crossover`` (see :func:`sebp_jax.sebp_matmul`).
     plan: the kept rows, decided once per step (:class:`sebp_jax.plan.RowPlan`): no score read
       and no partition here. ``policy`` must then be the exact one.
+    kernel_nk: the weight is stored ``(N, K)`` (see :func:`sebp_jax.backends.xla.backward`):
+      dX reads it in that layout and dW is written in it.
 
   Returns:
     ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
   """
   num_rows, out_features = dy.shape
   if config is None:
-    config = block_config(num_rows, _in_features(x, kernel), out_features, dy.dtype)
+    config = block_config(num_rows, _in_features(x, kernel, kernel_nk), out_features, dy.dtype)
   if crossover is not None:
     config = dataclasses.replace(config, crossover=crossover)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -725,9 +739,9 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
   sparse = functools.partial(sparse_backward, config=config, precision=precision,
-                             interpret=interpret)
+                             interpret=interpret, kernel_nk=kernel_nk)
   dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision,
-                            planned=plan is not None)
+                            planned=plan is not None, kernel_nk=kernel_nk)
   if config.crossover >= 1.0:  # no dense branch: no conditional (and no host round trip) at all
     return sparse(x, kernel, dy, perm, count)
   # Past the crossover the compact products save less than the gather costs.
