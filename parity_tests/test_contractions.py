@@ -114,10 +114,54 @@ def test_a_weight_stored_out_by_in_is_never_transposed(impl, case):
   w = jnp.ones(w_shape)
   assert matmul_view(x_shape, w_shape, dims).rhs_nk
   loss = lambda x, w: jnp.sum(SEBPDotGeneral(impl=impl)(x, w, dims) ** 2)  # noqa: E731
-  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
-  moved = [shape for shape in re.findall(r"= f32\[([\d,]+)\]\S* (?:copy|transpose)\(", text)
-           if np.prod([int(d) for d in shape.split(",")]) == w.size]
+  moved = _moves_of_size(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w), w.size)
   assert not moved, moved
+
+
+def _moves_of_size(lowered, size: int) -> list[str]:
+  """Shapes of the copies and transposes of ``size`` float32 elements in the compiled program."""
+  text = lowered.compile().as_text()
+  return [shape for shape in re.findall(r"= f32\[([\d,]+)\]\S* (?:copy|transpose)\(", text)
+          if np.prod([int(d) for d in shape.split(",")]) == size]
+
+
+class _TiedHead(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(53, 16, name="embed")
+    return embed.attend(jnp.tanh(embed(ids)))
+
+
+class _NnxTiedHead(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(53, 16, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.embed.attend(jnp.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_swapped_embed_attend_never_transposes_the_embedding(api):
+  # The tied output projection through swap_dense / swap_linear: its gradient comes back in the
+  # embedding's (vocabulary, features) layout as written, with no transposed copy of it (which
+  # XLA fused into the optimizer update of a LLaMA step: benchmarks/NOTES.md, "v12").
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 53, (2, 11)))
+  mask = jnp.asarray(np.arange(11) < 6, jnp.float32)[None, :, None]
+  if api == "linen":
+    model = _TiedHead()
+    params = model.init(jax.random.key(0), ids)
+
+    def loss(params):
+      with swap_dense(impl="xla"):
+        return jnp.sum(model.apply(params, ids) ** 2 * mask)
+    lowered = jax.jit(jax.grad(loss)).lower(params)
+  else:
+    model = _NnxTiedHead(nnx.Rngs(0))
+    swap_linear(model, impl="xla")
+    graphdef, state = nnx.split(model)
+    loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(ids) ** 2 * mask)  # noqa: E731
+    lowered = jax.jit(jax.grad(loss)).lower(state)
+  assert not _moves_of_size(lowered, 53 * 16)
 
 
 def test_batched_contractions_stay_dense():
