@@ -36,26 +36,36 @@ from benchmarks.collective_overlap import exposed_ms, is_collective, union
 from benchmarks.workloads import (LR, WEIGHT_DECAY, REPO, Settings, random_params, workload_batches,
                                   xla_flags_text)
 
-__all__ = ["device_breakdown", "markdown", "main"]
+__all__ = ["TOP_KERNELS", "device_breakdown", "markdown", "main"]
+
+
+# Kernels listed by name per device: a family total hides which kernel grew (a transposed LM-head
+# gradient fused into the optimizer update showed as 8 ms more "XLA fusions, other" in one
+# kernel: benchmarks/NOTES.md, "v12").
+TOP_KERNELS = 12
 
 
 def device_breakdown(events: Sequence[dict], steps: int) -> list[dict]:
   """Per device (one trace process per GPU), per step: busy, exposed collective and per-family
-  ms, and kernel launches; ``events``: the trace's GPU kernel events
-  (:func:`benchmarks.profile_step.gpu_kernel_events`), ``steps`` traced steps."""
+  ms, kernel launches and the :data:`TOP_KERNELS` longest kernels by name (``[name, ms]``);
+  ``events``: the trace's GPU kernel events (:func:`benchmarks.profile_step.gpu_kernel_events`),
+  ``steps`` traced steps."""
   by_device: dict[Any, list[dict]] = collections.defaultdict(list)
   for event in events:
     by_device[event["pid"]].append(event)
   out = []
   for pid in sorted(by_device):
     kernels = by_device[pid]
-    families = profile_step.family_times(profile_step.per_kernel_times(kernels, steps))
+    per_kernel = profile_step.per_kernel_times(kernels, steps)
+    families = profile_step.family_times(per_kernel)
+    top = sorted(((name, ms) for name, (ms, _) in per_kernel.items()), key=lambda item: -item[1])
     busy = sum(end - start for start, end in union(
       (e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels)) / 1e3 / steps
     collective = sum(e.get("dur", 0.0) for e in kernels if is_collective(e["name"])) / 1e3 / steps
     out.append({"device": pid, "busy_ms": busy, "collective_ms": collective,
                 "exposed_collective_ms": exposed_ms(kernels) / steps,
-                "launches": len(kernels) / steps, "families": dict(families)})
+                "launches": len(kernels) / steps, "families": dict(families),
+                "kernels": [list(item) for item in top[:TOP_KERNELS]]})
   return out
 
 
@@ -125,6 +135,15 @@ def markdown(result: dict) -> str:
       for family in families:
         lines.append(f"| {family} | " + " | ".join(
           f"{r['per_device'][0]['families'].get(family, 0.0):.2f}" for r in rows) + " |")
+    tops = [dict(r["per_device"][0].get("kernels", [])) if r["per_device"] else {} for r in rows]
+    names = sorted({n for top in tops for n in top},
+                   key=lambda n: -max(top.get(n, 0.0) for top in tops))
+    if names:
+      lines += ["", f"| longest kernels (first device; each variant's {TOP_KERNELS}), ms | "
+                + " | ".join(r["variant"] for r in rows) + " |", "|---|" + "---|" * len(rows)]
+      for name in names:
+        lines.append(f"| `{name[:60]}` | " + " | ".join(
+          f"{top[name]:.2f}" if name in top else "–" for top in tops) + " |")
     lines.append("")
   return "\n".join(lines)
 

@@ -33,6 +33,17 @@ def test_device_breakdown_per_device_and_step():
                                              "XLA fusions, other": 0.1})
   assert second["exposed_collective_ms"] == pytest.approx(0.2)
   assert second["busy_ms"] == pytest.approx(0.3)
+  # Kernels by name, longest first, per step.
+  assert [name for name, _ in first["kernels"]] == [
+    "nvjet_sm90_tst_128x128", "ncclDevKernel_AllGather_RING_LL", "loop_add_fusion"]
+  assert [ms for _, ms in first["kernels"]] == pytest.approx([0.5, 0.35, 0.1])
+
+
+def test_breakdown_keeps_the_longest_kernels_only():
+  events = [_kernel(0, f"fusion_{i}", 10 * i, i + 1) for i in range(30)]
+  (device,) = profile_multi_device.device_breakdown(events, steps=1)
+  names = [name for name, _ in device["kernels"]]
+  assert names == [f"fusion_{i}" for i in range(29, 29 - profile_multi_device.TOP_KERNELS, -1)]
 
 
 def test_markdown_names_every_device_and_family():
@@ -47,3 +58,4 @@ def test_markdown_names_every_device_and_family():
   assert "| sebp | 10.00 (9.00–11.00) | 0 | 0.50 | 0.50 | 0.50 | 1 |" in text
   assert "| sebp | 10.00 (9.00–11.00) | 1 | 0.30 | 0.00 | 0.00 | 1 |" in text
   assert "| collectives (NCCL) | 0.50 |" in text
+  assert "| `ncclDevKernel_AllGather` | 0.50 |" in text
