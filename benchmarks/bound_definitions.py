@@ -47,7 +47,7 @@ import re
 from typing import Any, Callable, Sequence
 
 from benchmarks.workloads import (
-  Settings, free_linear_backward, is_weight_product, prepared_workload, single_workload_parser,
+  Settings, free_linear_backward, weight_kernel, prepared_workload, single_workload_parser,
   versions_text, xla_flags_text,
 )
 
@@ -132,9 +132,9 @@ def _compacted_rows(known: Known) -> contextlib.AbstractContextManager:
   rows = perm[:known.capacity]
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    if (lhs.shape[:-1] == known.mask.shape
-        and is_weight_product(lhs, rhs, dimension_numbers, preferred_element_type)):
-      return _compacted_matmul()(lhs, rhs, rows)
+    kernel = weight_kernel(lhs, rhs, dimension_numbers, preferred_element_type)
+    if lhs.shape[:-1] == known.mask.shape and kernel is not None:
+      return _compacted_matmul()(lhs, kernel, rows)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
 

@@ -103,7 +103,7 @@ __all__ = [
   "EINSUM_BASELINE", "COMMAND_BUFFERS_BASELINE",
   "ModelSpec", "Row",
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
-  "is_weight_product", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
+  "weight_kernel", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
   "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
   "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
@@ -340,21 +340,30 @@ def _free_matmul(backward: Callable):
   return matmul
 
 
-def is_weight_product(lhs, rhs, dimension_numbers, preferred_element_type=None) -> bool:
-  """Whether a ``lax.dot_general`` call is ``x (..., K) @ kernel (K, N)``, the contraction whose
-  backward the bound (and :mod:`benchmarks.bound_definitions`) replaces."""
-  return (rhs.ndim == 2 and preferred_element_type is None
-          and tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,))
-          and not any(dimension_numbers[1]))
+def weight_kernel(lhs, rhs, dimension_numbers, preferred_element_type=None):
+  """The ``(K, N)`` kernel of a ``lax.dot_general`` call that is a linear layer's weight product,
+  the contraction whose backward the bound (and :mod:`benchmarks.bound_definitions`) replaces:
+  ``rhs`` for ``x (..., K) @ kernel (K, N)``, ``rhs.T`` for ``x @ w.T`` with ``w`` stored
+  ``(N, K)`` (the tied output embedding, as the swapped ``Embed.attend`` contracts it), ``None``
+  for any other contraction."""
+  if rhs.ndim != 2 or preferred_element_type is not None or any(dimension_numbers[1]):
+    return None
+  contracting = tuple(map(tuple, dimension_numbers[0]))
+  if contracting == ((lhs.ndim - 1,), (0,)):
+    return rhs
+  if contracting == ((lhs.ndim - 1,), (1,)):
+    return rhs.T
+  return None
 
 
 def _free_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                       *, backward: Callable):
-  """``lax.dot_general`` whose backward (for ``x (..., K) @ kernel (K, N)``) is ``backward``."""
+  """``lax.dot_general`` whose backward (for a :func:`weight_kernel` product) is ``backward``."""
   from jax import lax
 
-  if is_weight_product(lhs, rhs, dimension_numbers, preferred_element_type):
-    return _free_matmul(backward)(lhs, rhs)
+  kernel = weight_kernel(lhs, rhs, dimension_numbers, preferred_element_type)
+  if kernel is not None:
+    return _free_matmul(backward)(lhs, kernel)
   return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                          preferred_element_type=preferred_element_type)
 
