@@ -688,17 +688,16 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
                    count, config=config, precision=precision, interpret=interpret,
                    kernel_nk=kernel_nk)
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
-  if x is not None and kernel_nk:
-    # dW in the kernel's (N, K) layout: the same GEMM with its operands swapped, its tile's two
-    # sides too (the padding above is by tile side, so it still fits).
-    swapped = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
-    dw = dw_pallas(dyc, xc[0], perm, count, config=swapped, precision=precision,
+  if x is not None:
+    # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
+    # two sides too (the padding above is by tile side, so it still fits).
+    lhs, rhs, dw_config, dw_shape = (xc[0], dyc, config, (in_features, out_features))
+    if kernel_nk:
+      lhs, rhs, dw_shape = dyc, xc[0], (out_features, in_features)
+      dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
+    dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
                    interpret=interpret)
-    dw = dw[:out_features, :in_features] if dw.shape != (out_features, in_features) else dw
-  elif x is not None:
-    dw = dw_pallas(xc[0], dyc, perm, count, config=config, precision=precision,
-                   interpret=interpret)
-    dw = dw[:in_features, :out_features] if dw.shape != (in_features, out_features) else dw
+    dw = dw[:dw_shape[0], :dw_shape[1]] if dw.shape != dw_shape else dw
   return dx, dw
 
 
