@@ -86,35 +86,6 @@ def _check(name, impl, sebp_loss, dense_loss, params, x, reference, **jit_kwargs
         flush=True)
 
 
-def _check_stored_out_by_in(case, impl, auto_layout, two_d, params, x, reference) -> None:
-  """``case`` (an automatic layout of ``auto_layout``, or ``explicit``) with every weight stored
-  transposed and multiplied as ``sebp_matmul(..., transpose_kernel=True)``."""
-  sebp_mm = lambda a, w: sebp_matmul(a, w, impl=impl, transpose_kernel=True)  # noqa: E731
-  dense_mm = lambda a, w: a @ w.T  # noqa: E731
-  params = tuple(w.T for w in params)
-  reference = tuple(g.T for g in reference)
-  if auto_layout is None:  # explicit: batch over both axes, weights FSDP-sharded, gathered
-    mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.set_mesh(mesh):
-      gather = lambda w: reshard(w, P())  # noqa: E731
-      _check(case, impl, _loss(sebp_mm, gather), _loss(dense_mm, gather),
-             tuple(reshard(w, P("fsdp")) for w in params), reshard(x, P(("data", "fsdp"))),
-             reference)
-    return
-  shape, names, x_spec, w_spec, axes = auto_layout
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-  w_sharding = NamedSharding(mesh, w_spec)
-
-  def sebp_loss(params, x):
-    with sharded_rows(axes):
-      return _loss(sebp_mm)(params, x)
-
-  with jax.set_mesh(mesh):
-    _check(case, impl, sebp_loss, _loss(dense_mm), params, x, reference,
-           in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
-           out_shardings=(w_sharding,) * 2)
-
-
 def _planned_matmul(impl: str):
   """``sebp_matmul`` under a row plan of the real tokens (a prefix of each sequence), made in the
   traced function as a training step makes it from its attention mask; checking: every layer
@@ -146,12 +117,15 @@ def main(impl: str, cases: list[str]) -> None:
     # "<case>_planned": the same case with a row plan, which each device re-plans for its rows.
     sebp_mm = planned_mm if case.endswith("_planned") else scoring_mm
     layout = case.removesuffix("_planned")
+    case_dense_mm, case_params, case_reference = dense_mm, params, reference
     if layout.endswith("_nk"):
-      # The weights stored (out, in), as a tied embedding is (`transpose_kernel`), sharded on
-      # their first dim under FSDP; their gradients come back in that layout.
+      # "<case>_nk": the weights stored (out, in), as a tied embedding is (`transpose_kernel`),
+      # sharded on their first dim under FSDP; their gradients come back in that layout.
       layout = layout.removesuffix("_nk")
-      _check_stored_out_by_in(case, impl, auto.get(layout), two_d, params, x, reference)
-      continue
+      sebp_mm = lambda a, w: sebp_matmul(a, w, impl=impl, transpose_kernel=True)  # noqa: E731
+      case_dense_mm = lambda a, w: a @ w.T  # noqa: E731
+      case_params = tuple(w.T for w in params)
+      case_reference = tuple(g.T for g in reference)
     if layout in auto:
       shape, names, x_spec, w_spec, axes = auto[layout]
       mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
@@ -162,7 +136,7 @@ def main(impl: str, cases: list[str]) -> None:
           return _loss(sebp_mm)(params, x)
 
       with jax.set_mesh(mesh):
-        _check(case, impl, sebp_loss, _loss(dense_mm), params, x, reference,
+        _check(case, impl, sebp_loss, _loss(case_dense_mm), case_params, x, case_reference,
                in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
                out_shardings=(w_sharding,) * 2)
     elif layout == "explicit":
@@ -170,9 +144,10 @@ def main(impl: str, cases: list[str]) -> None:
       mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
       with jax.set_mesh(mesh):
         xs = reshard(x, P(("data", "fsdp")))
-        ws = tuple(reshard(w, P("fsdp")) for w in params)
+        ws = tuple(reshard(w, P("fsdp")) for w in case_params)
         gather = lambda w: reshard(w, P())  # noqa: E731
-        _check(case, impl, _loss(sebp_mm, gather), _loss(dense_mm, gather), ws, xs, reference)
+        _check(case, impl, _loss(sebp_mm, gather), _loss(case_dense_mm, gather), ws, xs,
+               case_reference)
     elif case in ("shard_map", "shard_map_unchecked"):
       mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
       check_vma = case == "shard_map"
