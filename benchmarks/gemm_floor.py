@@ -15,6 +15,12 @@ the two GEMM kernels run without the selection and the gather (benchmarks/NOTES.
   of ``--dw-tiles``, at each kept fraction, the rows past ``count`` zero; beside cuBLAS on the kept
   rows only. v9: at the fractions the models run (<= 20 %) split 1 is at or below cuBLAS and
   every split only costs; a split pays only above the crossover.
+* ``kept``: both GEMMs on the table's tiles (:func:`~sebp_jax.backends.pallas.block_config`) at
+  each kept fraction, ``0`` included (no kept row: dX only stores the zeros of the dropped rows,
+  dW only zero tiles), beside cuBLAS on the kept rows (none at ``0``) and, at ``0``, XLA writing
+  zeros of dX's shape. v13 found both GEMMs of LLaMA-3B's MLP up at batch 1 as slow at 0 kept
+  rows as at 81 (dX 45 against 42 us, dW 36 against 35 on an H200): fixed costs per program,
+  not the products, set their time.
 
 Each result row carries the relative error of its product against cuBLAS's on the first input
 set. Off GPU the kernels run in the Pallas interpreter (the times then measure the interpreter).
@@ -48,9 +54,9 @@ from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.backends.xla import DW_DIMS, DX_DIMS
 
 __all__ = ["PARTS", "FLOOR_CONFIGS", "TINY_SHAPE", "gemms_of", "gemm_inputs", "pallas_gemm",
-           "cublas_gemm", "floor_rows", "dw_split_rows", "markdown", "main"]
+           "cublas_gemm", "floor_rows", "dw_split_rows", "kept_rows", "markdown", "main"]
 
-PARTS = ("floor", "dw_split")
+PARTS = ("floor", "dw_split", "kept")
 # The configurations of v9's full-density table: the default, then dX's and dW's wider tiles.
 FLOOR_CONFIGS = ("default", "dx128", "dx128x256", "dx128_s4", "dx128x256_n32_s4", "dw128x256",
                  "dw_w4", "dw128x256_m32_s4", "dw256x128")
@@ -59,7 +65,9 @@ TINY_SHAPE = LayerShape(batch=2, seq_len=128, in_features=256, out_features=256)
 _CUBLAS = "cublas"
 _MISMATCH = 2e-2  # relative error past which a row is reported: bf16 rounding is ~4e-3
 _GEMMS = ("dx", "dw")
-_LABELS = {"dx": "dX", "dw": "dW", _CUBLAS: "cuBLAS"}
+_TABLE = "table"
+_ZEROS = "xla_zeros"
+_LABELS = {"dx": "dX", "dw": "dW", _CUBLAS: "cuBLAS", _TABLE: "Pallas", _ZEROS: "XLA zeros"}
 _Config = pallas_backend.BlockConfig
 Gemm = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -157,7 +165,7 @@ def floor_rows(name: str, shape: LayerShape, configs: Sequence[str], dtype, *, r
     for config_name in configs:
       if gemm in gemms_of(CANDIDATES[config_name]):
         # Split as tune_blocks splits them, for this GPU (off a GPU both splits stay off).
-        config = pallas_backend.sized_for_gpu(CANDIDATES[config_name], m, k, n)
+        config = pallas_backend.sized_for_gpu(CANDIDATES[config_name], k, n, dtype)
         _check_fits(gemm, config, config_name, shape)
         cases[config_name] = (pallas_gemm(gemm, config, m, m, interpret=interpret), config)
     if len(cases) > 1:  # no configuration of this GEMM: no cuBLAS time either
@@ -200,6 +208,41 @@ def dw_split_rows(name: str, shape: LayerShape, fraction: float, splits: Sequenc
   return rows
 
 
+def kept_rows(name: str, shape: LayerShape, fraction: float, dtype, *, reps: int, trials: int,
+              interpret: bool) -> list[dict]:
+  """dX and dW on the table's tiles at ``fraction`` kept rows (``0``: none), each beside cuBLAS
+  on the kept rows (none at ``0``; XLA's zeros of dX's shape instead). Each Pallas row's error is
+  against cuBLAS's product with the dropped rows' zeros (at ``0``: the largest magnitude, which
+  must be 0)."""
+  m, k, n = shape.rows, shape.in_features, shape.out_features
+  count = int(fraction * m)
+  config = pallas_backend.block_config(m, k, n, dtype)
+  sets = [gemm_inputs(shape, count, dtype, seed) for seed in range(reps)]
+  base = _base("kept", name, shape, count)
+  rows = []
+  for gemm in _GEMMS:
+    cases = {_CUBLAS: cublas_gemm(gemm, count)} if count else {}
+    if gemm == "dx" and not count:
+      cases[_ZEROS] = lambda x, kernel, dy: jnp.zeros((m, k), dy.dtype) + dy[0, 0] * 0
+    cases[_TABLE] = pallas_gemm(gemm, config, m, count, interpret=interpret)
+    times = {case: device_time_ms(fn, sets, trials=trials) for case, fn in cases.items()}
+    got = jax.jit(cases[_TABLE])(*sets[0])
+    if count:
+      want = jax.jit(cases[_CUBLAS])(*sets[0])
+      error = _relative_error(got, jnp.pad(want, ((0, got.shape[0] - want.shape[0]), (0, 0))))
+    else:
+      error = float(jnp.max(jnp.abs(got.astype(jnp.float32))))
+    if error > _MISMATCH:
+      print(f"  MISMATCH {name} {gemm} kept {count}: error {error:.3g}", flush=True)
+    for case, ms in times.items():
+      reference = times.get(_CUBLAS) if case == _TABLE else None
+      rows.append({**base, "gemm": gemm, "config": case, "ms": ms,
+                   "vs_cublas": reference / ms if reference and ms > 0 else None,
+                   "rel_err": error if case == _TABLE else None,
+                   "block_config": dataclasses.asdict(config) if case == _TABLE else None})
+  return rows
+
+
 def _table(rows: Sequence[dict]) -> list[str]:
   """One line per (shape, kept rows): each (GEMM, configuration)'s ms, and its speed against
   cuBLAS's (``0.96×``: 0.96 of cuBLAS's speed)."""
@@ -239,7 +282,9 @@ def markdown(result: dict) -> str:
               if result["interpret"] else "")]
   titles = {"floor": "Every row kept (dX and dW per tile configuration)",
             "dw_split": "dW per row split and kept fraction (the table's tiles: `splitS`; "
-                        "`tKxN_sS`: K×N tiles, 8 warps, split S)"}
+                        "`tKxN_sS`: K×N tiles, 8 warps, split S)",
+            "kept": "dX and dW on the table's tiles per kept fraction, 0 included (Pallas dX "
+                    "stores every row; cuBLAS only the kept ones)"}
   for part in PARTS:
     rows = [r for r in result["rows"] if r["part"] == part]
     if rows:
@@ -265,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--configs", nargs="+", choices=list(CANDIDATES),
                       default=list(FLOOR_CONFIGS), help="floor: tune_blocks.CANDIDATES names")
   parser.add_argument("--fractions", nargs="+", type=float, default=[0.05, 0.2, 0.5, 1.0],
-                      help="dw_split: kept fractions of the rows, in (0, 1]")
+                      help="dw_split, kept: kept fractions of the rows, in (0, 1] (kept alone: "
+                           "0 too)")
   parser.add_argument("--splits", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8],
                       help="dw_split: row splits of the table's dW tiles")
   parser.add_argument("--dw-tiles", nargs="*", type=_tile, default=[(128, 256), (128, 128)],
@@ -280,8 +326,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("."))
   parser.add_argument("--tag", default="", help="file name suffix: gemm_floor_TAG.json")
   args = parser.parse_args(argv)
-  if any(not 0 < f <= 1 for f in args.fractions):
-    parser.error("--fractions must lie in (0, 1]")
+  if any(not 0 <= f <= 1 for f in args.fractions) or (
+      0 in args.fractions and "dw_split" in args.parts):
+    parser.error("--fractions must lie in (0, 1] (0 too for --parts kept without dw_split)")
   if any(s < 1 for s in [*args.splits, *args.tile_splits]):
     parser.error("--splits and --tile-splits must be >= 1")
   if args.reps < 2:
@@ -306,6 +353,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               **timing))
            for name, shape in shapes.items() for fraction in args.fractions
            if "dw_split" in args.parts]
+  jobs += [(f"kept {name} {fraction:g}",
+            lambda name=name, shape=shape, fraction=fraction: kept_rows(
+              name, shape, fraction, dtype, **timing))
+           for name, shape in shapes.items() for fraction in args.fractions
+           if "kept" in args.parts]
   start = time.monotonic()
   for label, job in jobs:
     if args.time_budget is not None and time.monotonic() - start > args.time_budget:

@@ -44,6 +44,11 @@ CANDIDATES = {
   "dw_w4": _Config(dw_warps=4),
   "dw128x256_m32_s4": _Config(dw_k=128, dw_n=256, dw_m=32, dw_warps=8, dw_stages=4),
   "dw256x128": _Config(dw_k=256, dw_n=128, dw_m=64, dw_warps=8),
+  # Few kept rows: each dW program loads one or two row blocks and stores its tile, so the time
+  # is latency, not math (a LLaMA-b1 up projection's dW at 0 kept rows takes as long as at 81,
+  # benchmarks/NOTES.md "v13"): smaller pipelines, so that more programs share an SM.
+  "dw_m32_s2": _Config(dw_m=32, dw_stages=2),
+  "dw_m32_s2_w4": _Config(dw_m=32, dw_stages=2, dw_warps=4),
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
   # (LLaMA-3B at batch 1, ~80 kept rows: 48 dX programs on 132 SMs with the default tiles, 96
   # with dx_k64, 192 with dx_k32); shorter row blocks waste less of the last one.
@@ -61,14 +66,17 @@ CANDIDATES = {
   "dx_n128_s4": _Config(dx_n=128, dx_stages=4),
   "dx_k64_n128": _Config(dx_k=64, dx_n=128),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
-  # Few kept rows: the count-adaptive dX split (`with_dx_split` sizes it for the GPU), at most
-  # 2 / 4 / 8 programs per tile, aiming at one working program per SM; and at two per SM
-  # (264 = 2 x the 132 SMs of an H100 or H200), where the tiles' pipelines fit twice in an SM.
+  # Few kept rows: the count-adaptive dX split, at most 2 / 4 / 8 parts per tile, as many as fill
+  # the persistent launch (`with_dx_programs`: two programs per SM where two tiles' pipelines fit
+  # in its shared memory, 264 on a 132-SM H100 or H200 for these tiles; one per SM for the
+  # `wide_short` class's four 128-column steps), and one program per SM for comparison; the split
+  # on `wide_short`'s tiles, and on 32-row tiles (less of a last row block wasted on padding).
   "dx_split2": _Config(dx_split=2),
   "dx_split4": _Config(dx_split=4),
   "dx_split8": _Config(dx_split=8),
-  "dx_split8_fill264": _Config(dx_split=8, dx_fill=264),
-  "dx_split8_fill264_n128": _Config(dx_split=8, dx_fill=264, dx_n=128),
+  "dx_split8_p132": _Config(dx_split=8, dx_programs=132),
+  "dx_n128_s4_split4": _Config(dx_n=128, dx_stages=4, dx_split=4),
+  "dx_m32_split4": _Config(dx_m=32, dx_split=4),
   # No gather: the GEMMs read the kept rows in place through the permutation (as the vocabulary
   # class does). At a few dozen kept rows the gather is a launch and ~8 µs of a ~0.1 ms layer
   # (benchmarks/NOTES.md, "v8"), and the GEMMs stream W, not the rows.
@@ -138,8 +146,8 @@ def main() -> None:
         config = dataclasses.replace(CANDIDATES[name], compact=CANDIDATES[name].compact and
                                      pallas_backend.block_config(shape.rows, shape.in_features,
                                                                  shape.out_features, dtype).compact)
-        config = pallas_backend.sized_for_gpu(config, shape.rows, shape.in_features,
-                                              shape.out_features)
+        config = pallas_backend.sized_for_gpu(config, shape.in_features, shape.out_features,
+                                              dtype)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)

@@ -59,7 +59,7 @@ def test_pallas_and_cublas_products_equal_the_float64_product(gemm, config, coun
 
 
 def test_dx_split_configs_are_sized_for_the_device():
-  # dx_pallas refuses a dx_split that with_dx_split has not sized; floor_rows sizes it.
+  # floor_rows sizes a candidate's dX launch (its programs) for the device, as a model's is.
   rows = gemm_floor.floor_rows("tiny", SHAPE, ["dx_split2"], jnp.bfloat16, reps=2, trials=1,
                                interpret=INTERPRET)
   assert [(r["gemm"], r["config"]) for r in rows] == [("dx", "cublas"), ("dx", "dx_split2")]
@@ -83,7 +83,8 @@ def test_a_config_that_does_not_tile_the_shape_is_named():
 def test_a_spent_time_budget_runs_nothing_and_says_so(tmp_path):
   result = gemm_floor.main(["--tiny", "--out-dir", str(tmp_path), "--time-budget", "0",
                             "--fractions", "0.5"])
-  assert result["rows"] == [] and result["skipped"] == ["floor tiny", "dw_split tiny 0.5"]
+  assert result["rows"] == [] and result["skipped"] == ["floor tiny", "dw_split tiny 0.5",
+                                                        "kept tiny 0.5"]
   assert "Not run (time budget spent): floor tiny" in (tmp_path / "gemm_floor.md").read_text()
 
 
@@ -91,7 +92,8 @@ def test_tiny_end_to_end_on_the_interpreter(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
              PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
   done = subprocess.run(
-    [sys.executable, "-m", "benchmarks.gemm_floor", "--tiny", "--out-dir", str(tmp_path),
+    [sys.executable, "-m", "benchmarks.gemm_floor", "--parts", "floor", "dw_split", "--tiny",
+     "--out-dir", str(tmp_path),
      "--tag", "t", "--reps", "2", "--trials", "2", "--configs", "default", "dx128x256",
      "dw128x256", "--fractions", "0.05", "1.0", "--splits", "1", "3", "--dw-tiles", "128x256",
      "--tile-splits", "2"],
@@ -122,6 +124,29 @@ def test_tiny_end_to_end_on_the_interpreter(tmp_path):
   md = (tmp_path / "gemm_floor_t.md").read_text()
   assert "## Every row kept" in md and "## dW per row split" in md and "jax " in md
   assert "| tiny | 256×256→256 | 5% |" in md
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3])
+def test_kept_rows_time_both_products_beside_cublas_or_zeros(fraction):
+  rows = gemm_floor.kept_rows("tiny", SHAPE, fraction, jnp.bfloat16, reps=2, trials=1,
+                              interpret=INTERPRET)
+  count = int(fraction * SHAPE.rows)
+  assert {r["count"] for r in rows} == {count}
+  others = ("cublas",) if count else ()
+  assert [(r["gemm"], r["config"]) for r in rows] == [
+    *(("dx", c) for c in others or ("xla_zeros",)), ("dx", "table"),
+    *(("dw", c) for c in others), ("dw", "table")]
+  for row in rows:
+    assert row["ms"] >= 0 and (row["block_config"] is None) == (row["config"] != "table")
+    if row["config"] == "table":
+      # Against cuBLAS with the dropped rows' zeros; with nothing kept, dX and dW must be zeros.
+      assert row["rel_err"] < 2e-2 if count else row["rel_err"] == 0.0
+      assert (row["vs_cublas"] is None) == (not count)
+
+
+def test_kept_fraction_zero_is_refused_beside_dw_split(tmp_path):
+  with pytest.raises(SystemExit):
+    gemm_floor.main(["--tiny", "--out-dir", str(tmp_path), "--fractions", "0"])
 
 
 def test_markdown_names_card_versions_and_a_floor_dw_split():

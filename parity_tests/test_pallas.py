@@ -62,18 +62,19 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
   assert_close(dw, want_dw, x.dtype, what="dw")
 
 
-# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none.
-# The dX splits (3 column blocks of 16 once K is padded to 48; N = 60 padded to 64, 4 steps of
-# 16, the last with real columns, so that a missing last part shows):
-# * 4 parts at most over the first 32 rows, to fill 24 programs: counts up to 32 run 4 parts of
-#   one step each, 33 runs 2 (its third row block unsplit), 75 runs 1;
-# * 3 parts at most over all 80 padded rows (no unsplit program at all), to fill 12 programs:
-#   counts up to 16 run 3 parts (2, 2 and 0 steps: an empty share), up to 32 run 2, past that 1.
+# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none;
+# with it, 4 persistent dX programs loop over up to 15 tiles (5 row blocks of 16 x 3 column
+# blocks of 16 once K is padded to 48), up to 4 each. The dX splits (N = 60 padded to 64: 4 steps
+# of 16, the last with real columns, so that a missing last part shows):
+# * 4 parts at most, to occupy 24 programs: counts up to 32 run 4 parts of one step each, up to
+#   64 run 2, past that 1 (the split region is the first 64 rows);
+# * 3 parts at most, to occupy 12 programs: counts up to 16 run 3 parts (2, 2 and 0 steps: an
+#   empty share), up to 32 run 2, past that 1, each of the 12 programs then looping over tiles.
 # compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
 # count (with dW split, and with the first dX split).
-DX_SPLIT = dict(dx_split=4, dx_split_rows=32, dx_fill=24)
-SPLITS = [dict(dw_split=1), dict(dw_split=3), DX_SPLIT,
-          dict(dx_split=3, dx_split_rows=80, dx_fill=12), dict(compact=False, dw_split=2),
+DX_SPLIT = dict(dx_split=4, dx_programs=24)
+SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4), DX_SPLIT,
+          dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2),
           dict(compact=False, **DX_SPLIT)]
 
 
@@ -119,19 +120,20 @@ def test_partial_tiles(interpret, dtype, shape, split):
          interpret=interpret, config=config)
 
 
-# (dx_fill, count) -> parts of the N loop, of 5 steps (N = 75 on dx_n = dw_n = 16 tiles) for the
-# 3 column blocks of K = 37, at most 4 parts over the first 32 rows: 2/2/1/0 steps, 2/2/1, 3/2,
-# all 5; the count of 40 splits its first two row blocks (2 parts) and not its third.
+# (dx_programs, count) -> parts of the N loop, of 5 steps (N = 75 on dx_n = dw_n = 16 tiles) for
+# the 3 column blocks of K = 37, at most 4 parts: 2/2/1/0 steps, 2/2/1, 3/2, all 5; the count of
+# 40 splits all three of its row blocks.
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fill,count,parts", [(24, 20, 4), (9, 1, 3), (18, 40, 2), (6, 20, 1)])
-def test_dx_split_shares_ragged_n_loops(interpret, dtype, fill, count, parts):
-  active_tiles = -(-count // 16) * 3
-  assert min(max(fill // active_tiles, 1), 4) == parts  # guards the case table above
-  rng = np.random.default_rng(fill * count)
+@pytest.mark.parametrize("programs,count,parts", [(24, 20, 4), (9, 1, 3), (18, 40, 2),
+                                                  (6, 20, 1)])
+def test_dx_split_shares_ragged_n_loops(interpret, dtype, programs, count, parts):
+  live_tiles = -(-count // 16) * 3
+  assert min(max(programs // live_tiles, 1), 4) == parts  # guards the case table above
+  rng = np.random.default_rng(programs * count)
   kept = np.sort(rng.choice(75, count, replace=False))
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "dw_n": 16, "dx_split": 4,
-                                         "dx_split_rows": 32, "dx_fill": fill})
+                                         "dx_programs": programs})
   _check(*_case(rng, 75, 37, 75, kept, dtype), RowPolicy(), interpret=interpret, config=config)
 
 
@@ -258,16 +260,16 @@ def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out
   assert (config.dx_n, config.dx_k) == (dx_n, dx_k)
 
 
-@pytest.mark.parametrize("out_features,split,split_rows", [(8192, 1, 0), (128256, 8, 320)])
-def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, split,
-                                                         split_rows):
-  # The LM head's dX (24 column blocks of 128 at K = 3072) shares its 128,256-column loop among
-  # up to 8 programs per tile, sized for two working programs per SM: 264 // (2 * 24) = 5 row
-  # blocks of 64 can still have 2 parts. Other layers keep the unsplit dX.
+@pytest.mark.parametrize("out_features,launch", [(8192, (132, 1, 0)), (128256, (264, 8, 320))])
+def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, launch):
+  # LLaMA-3B at batch 1 (24 column blocks of 128 at K = 3072): the LM head's dX shares its
+  # 128,256-column loop among up to 8 programs per tile, two programs per SM: 264 // 2 // 24 = 5
+  # row blocks of 64 can still have 2 parts. The MLP up (`wide_short`) keeps the unsplit dX, one
+  # program per SM (its four 128-column steps fill an SM's shared memory).
   monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   config = pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16)
-  assert (config.dx_split, config.dx_split_rows) == (split, split_rows)
+  assert pallas_backend._dx_launch(4096, 3072, out_features // config.dx_n, config) == launch
 
 
 @pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
@@ -279,42 +281,48 @@ def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
   assert config.dw_split == split
 
 
-@pytest.mark.parametrize("sms,in_features,split,split_rows", [
-  (None, 3072, 1, 0),  # off GPU: off
-  (132, 3072, 4, 128),  # LLaMA-3B: 24 column blocks, 2 row blocks of up to 4 parts
-  (132, 16384, 1, 0),  # 128 column blocks: never 2 parts, off
-  (132, 128, 4, 2112),  # 1 column block: 66 row blocks, capped at the 2112 rows of whole blocks
+@pytest.mark.parametrize("sms,tiles,programs", [
+  (None, {}, 0),  # off GPU: one program per tile
+  (132, {}, 264),  # 3 steps of 64 x 64 and 64 x 128 tiles: 72 KiB, two fit in an SM
+  (132, dict(dx_n=128, dx_stages=4), 132),  # 4 steps of twice as wide: 192 KiB, one per SM
+  (132, dict(dx_programs=7), 7),  # set by the table: kept
 ])
-def test_dx_split_sized_from_the_sm_count(monkeypatch, sms, in_features, split, split_rows):
-  # A table entry with dx_split > 1 turns it on; block_config sizes it for the GPU.
+def test_dx_programs_sized_from_the_sm_count(monkeypatch, sms, tiles, programs):
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: sms)
-  monkeypatch.setattr(pallas_backend, "_DEFAULT_CONFIG", pallas_backend.BlockConfig(dx_split=4))
-  config = pallas_backend.block_config(2100, in_features, 8192, jnp.bfloat16)
-  assert (config.dx_split, config.dx_split_rows) == (split, split_rows)
-  assert config.dx_fill == (sms if split > 1 else 0)
+  config = pallas_backend.BlockConfig(**tiles)
+  assert pallas_backend.with_dx_programs(config, jnp.bfloat16).dx_programs == programs
 
 
-@pytest.mark.parametrize("split", [dict(dx_split=2), dict(dx_split=2, dx_fill=8),
-                                   dict(dx_split=2, dx_fill=8, dx_split_rows=24),
-                                   dict(dx_split=0)])
+@pytest.mark.parametrize("programs,in_features,split,launch", [
+  (0, 3072, 4, (1536, 4, 2048)),  # one program per tile (off GPU): half the tiles can split
+  (264, 3072, 4, (264, 4, 320)),  # LLaMA-3B: 24 column blocks, 5 row blocks can have 2 parts
+  (132, 16384, 4, (132, 1, 0)),  # 128 column blocks: never 2 parts, off
+  (264, 128, 4, (256, 4, 4096)),  # 1 column block: 256 items at most; every row can split
+  (264, 128, 1, (64, 1, 0)),  # unsplit: no more programs than the 64 tiles
+])
+def test_dx_launch_from_the_programs(programs, in_features, split, launch):
+  config = pallas_backend.BlockConfig(dx_split=split, dx_programs=programs)
+  assert pallas_backend._dx_launch(4096, in_features, 64, config) == launch
+
+
+@pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1)])
 def test_bad_dx_split_is_named(split):
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
-  with pytest.raises(ValueError, match="`dx_split"):
+  with pytest.raises(ValueError, match="`dx_(split|programs)`"):
     jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
                                                    config=config, interpret=True))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
-@pytest.mark.parametrize("split", [dict(), dict(dw_split=3),
-                                   dict(dx_split=4, dx_split_rows=128, dx_fill=132),
-                                   dict(dx_split=8, dx_split_rows=512, dx_fill=132),
+@pytest.mark.parametrize("split", [dict(), dict(dw_split=3, dx_programs=3),
+                                   dict(dx_split=4, dx_programs=8),
+                                   dict(dx_split=8, dx_programs=132),
                                    dict(compact=False),
-                                   dict(compact=False, dx_split=4, dx_split_rows=128,
-                                        dx_fill=132)],
-                         ids=["plain", "dw_split", "dx_split", "dx_split_all_rows", "in_place",
-                              "in_place_dx_split"])
+                                   dict(compact=False, dx_split=4, dx_programs=8)],
+                         ids=["plain", "dw_split_persistent_dx", "dx_split", "dx_split_all_rows",
+                              "in_place", "in_place_dx_split"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
@@ -335,7 +343,7 @@ def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
   num_rows, in_features, out_features = 4096, 3072, 16384 if key[2] == "vocab" else 640
   config = pallas_backend.BlockConfig(**{
     **pallas_backend._BLOCK_TABLE[key].__dict__, "compact": key[2] != "vocab"})
-  config = pallas_backend.with_dx_split(config, num_rows, in_features)
+  config = pallas_backend.with_dx_programs(config, dtype)
   # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
   expected = 3 + config.compact + (config.dx_split > 1)
   # A vocabulary-wide layer is typically a tied embedding, stored (N, K).
@@ -371,8 +379,8 @@ def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
   # at a LLaMA-b1-like shape: a candidate that Triton cannot express fails here, not in a tuning run.
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   num_rows, in_features, out_features = 4096, 3072, 640
-  config = pallas_backend.sized_for_gpu(tune_blocks.CANDIDATES[name], num_rows, in_features,
-                                        out_features)
+  config = pallas_backend.sized_for_gpu(tune_blocks.CANDIDATES[name], in_features,
+                                        out_features, jnp.bfloat16)
   expected = 3 + config.compact + (config.dx_split > 1)
   assert _exported_kernel_count(config, jnp.bfloat16, num_rows, in_features,
                                 out_features) == expected

@@ -13,13 +13,15 @@ The plan (DESIGN §5, v5: compact first):
   Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
   ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
   so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
-* **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile multiplies
-  contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of ``dx``; a tile
-  past ``count`` stores zeros there, without reading anything. Every row of ``dx`` is written
-  exactly once. With few kept rows those tiles are fewer than the SMs, each streaming all of
-  ``N``; with ``dx_split`` (opt-in) the tiles of the first ``dx_split_rows`` compacted rows
-  share their ``N`` loop among ``parts`` programs of the same launch, ``parts`` chosen from
-  ``count`` at run time to fill the SMs, and a reduction kernel sums their float32 partial
+* **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile with kept rows
+  multiplies contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of
+  ``dx``; a tile past ``count`` stores zeros there, reading nothing. Every row of ``dx`` is
+  written exactly once. The launch is persistent: ``dx_programs`` programs (sized for the GPU)
+  loop over the live tiles, then over the zero tiles, so the zeros go first to the programs the
+  GEMM leaves idle and no program is launched just to store one zero tile. With
+  few kept rows those tiles are fewer than the programs, each streaming all of ``N``; with
+  ``dx_split`` each live tile's ``N`` loop is shared by ``parts`` programs, ``parts`` chosen from
+  ``count`` at run time to occupy the launch, and a reduction kernel sums their float32 partial
   tiles into ``dx`` in place (``input_output_aliases``);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
   count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
@@ -49,7 +51,7 @@ from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, DX_NK_DIMS, dense_backward
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
-__all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_split",
+__all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
            "backward",
            "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
 
@@ -68,15 +70,17 @@ class BlockConfig:
   peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
   instead.
 
-  The dX split (off at ``dx_split == 1``; :func:`with_dx_split` sizes it for a GPU): with few
-  kept rows only ``cdiv(count, dx_m) * K / dx_k`` dX tiles have work, fewer than the SMs, and
-  each streams its whole loop over ``N`` alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48
-  programs on 132 SMs). So the tiles of the first ``dx_split_rows`` compacted rows (a multiple
-  of ``dx_m``) share their ``N`` loop among ``parts`` programs, ``parts`` chosen at run time
-  from ``count`` to make about ``dx_fill`` working programs (the SM count), at most
-  ``dx_split``; a small reduction kernel sums their float32 partial tiles. From
-  ``dx_split_rows`` kept rows on, ``parts`` is 1, and the split costs only the partial tiles'
-  round trip and that one launch.
+  ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
+  ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
+  programs one SM holds).
+
+  The dX split (off at ``dx_split == 1``): with few kept rows only ``cdiv(count, dx_m) * K /
+  dx_k`` dX tiles have work, fewer than the programs, and each streams its whole loop over ``N``
+  alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48 tiles for 132 SMs). With ``dx_split > 1``
+  each live tile's ``N`` loop is shared by ``parts = clamp(dx_programs // live tiles, 1,
+  dx_split)`` programs, chosen at run time from ``count``; a small reduction kernel sums their
+  float32 partial tiles. Past ``dx_programs // 2`` live tiles ``parts`` is 1 and the split costs
+  only that launch.
   """
 
   dx_m: int = 64
@@ -93,8 +97,7 @@ class BlockConfig:
   dw_group: int = 8
   dw_split: int = 1
   dx_split: int = 1
-  dx_split_rows: int = 0
-  dx_fill: int = 0
+  dx_programs: int = 0
   compact: bool = True
   crossover: float = 0.4
 
@@ -121,9 +124,10 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
   # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
   # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
-  # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200) it takes
-  # 0.48 ms, and the layer's backward 2.34 -> 1.63 ms (results/v8_h100/tune_v8_head_h100.json).
-  ("hopper", 2, "vocab"): BlockConfig(dx_split=8, dx_fill=264),
+  # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200, as
+  # with_dx_programs sizes these tiles) it takes 0.48 ms, and the layer's backward 2.34 -> 1.63
+  # ms (results/v8_h100/tune_v8_head_h100.json).
+  ("hopper", 2, "vocab"): BlockConfig(dx_split=8),
   # float32: one entry for every class (not re-tuned for v5).
   **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
      for shape_class in ("narrow", "wide", "wide_short", "vocab")},
@@ -141,6 +145,8 @@ _MIN_BLOCK = 16
 # The most programs :func:`block_config` lets share one dW tile. Each adds a float32 partial tile
 # to write and sum; past 4 that pass costs more than the idle SMs it fills.
 _MAX_DW_SPLIT = 4
+# Shared memory one Hopper SM gives its programs (227 KB of its 228).
+_SHARED_MEMORY = 227 * 1024
 
 
 def _default_device():
@@ -201,15 +207,15 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
     dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
   )
-  return sized_for_gpu(config, num_rows, in_features, out_features)
+  return sized_for_gpu(config, in_features, out_features, dtype)
 
 
-def sized_for_gpu(config: BlockConfig, num_rows: int, in_features: int,
-                  out_features: int) -> BlockConfig:
-  """``config`` with both splits sized for this GPU and an ``(num_rows, in_features) x
-  (in_features, out_features)`` layer (:func:`with_dw_split`, :func:`with_dx_split`), as
-  :func:`block_config` hands its table entries to a layer."""
-  return with_dx_split(with_dw_split(config, in_features, out_features), num_rows, in_features)
+def sized_for_gpu(config: BlockConfig, in_features: int, out_features: int,
+                  dtype) -> BlockConfig:
+  """``config`` sized for this GPU and a layer of ``in_features x out_features`` in ``dtype``
+  (:func:`with_dw_split`, :func:`with_dx_programs`), as :func:`block_config` hands its table
+  entries to a layer."""
+  return with_dx_programs(with_dw_split(config, in_features, out_features), dtype)
 
 
 def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
@@ -221,26 +227,17 @@ def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> B
   return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
 
 
-def with_dx_split(config: BlockConfig, num_rows: int, in_features: int) -> BlockConfig:
-  """``config`` with its dX split (on where ``config.dx_split > 1``) sized for this GPU.
-
-  ``dx_fill`` becomes the SM count (unless ``config`` sets it: e.g. two programs per SM), and
-  ``dx_split_rows`` the rows below which the split can give 2 or more parts
-  (:class:`BlockConfig`): ``dx_fill // (2 * col_blocks)`` row blocks, at most ``num_rows``. Off
-  GPU, or where no row count gives two parts (more column blocks than half of ``dx_fill``), the
-  split is turned off.
-  """
-  if config.dx_split <= 1:  # off (or a bad `dx_split`, which dx_pallas names)
-    return config
+def with_dx_programs(config: BlockConfig, dtype) -> BlockConfig:
+  """``config`` with ``dx_programs`` (unless it sets them) this GPU's SMs times the dX programs
+  one SM holds: two where two tiles' pipelines (``dx_stages`` steps of a ``dy`` and a weight
+  tile) fit in its shared memory, else one. Unchanged off GPU (one program per tile)."""
   sms = _sm_count()
-  if not sms:
-    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
-  fill = config.dx_fill or sms
-  col_blocks = pl.cdiv(in_features, config.dx_k)
-  split_rows = min(fill // (2 * col_blocks) * config.dx_m, _round_up(num_rows, config.dx_m))
-  if not split_rows:
-    return dataclasses.replace(config, dx_split=1, dx_split_rows=0, dx_fill=0)
-  return dataclasses.replace(config, dx_split_rows=split_rows, dx_fill=fill)
+  if config.dx_programs or not sms:
+    return config
+  pipeline = config.dx_stages * (config.dx_m + config.dx_k) * config.dx_n * jnp.dtype(
+    dtype).itemsize
+  per_sm = 2 if 2 * pipeline <= _SHARED_MEMORY else 1
+  return dataclasses.replace(config, dx_programs=sms * per_sm)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -393,7 +390,7 @@ def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[i
       copy[pl.ds(start, block_m), span] = load(source, span)
       return carry
 
-    # A loop of 0 or 1 trips rather than a branch (arithmetic flags: see _pick).
+    # A loop of 0 or 1 trips rather than a branch (an integer flag, not a select: see _dx_kernel).
     lax.fori_loop(0, mine, step, jnp.int32(0))
     first += own_chunks
 
@@ -430,37 +427,32 @@ def _split_share(total, split, part):
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
 
 
-def _pick(flag, if_one, if_zero):
-  """``if_one`` where the int32 ``flag`` is 1, ``if_zero`` where it is 0. Arithmetic, not
-  ``jnp.where``: Pallas-Triton in jax 0.11 types a select of literals as i1."""
-  return flag * if_one + (1 - flag) * if_zero
-
-
-def _dx_parts(count, *, block_m: int, col_blocks: int, fill: int, split: int):
-  """Programs that share each split dX tile's loop over ``N`` for ``count`` kept rows: enough for
-  the tiles that have kept rows to make ``fill`` programs, between 1 and ``split``. The GEMM and
-  the reduction both derive it from ``count`` here, so the reduction sums exactly the partial
-  tiles that were written."""
-  active_tiles = pl.cdiv(count, block_m) * col_blocks
-  return jnp.minimum(jnp.maximum(fill // jnp.maximum(active_tiles, 1), 1), split)
+def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int):
+  """Programs that share each dX tile's loop over ``N`` for ``count`` kept rows: enough for the
+  tiles that have kept rows to occupy the launch's ``programs``, between 1 and ``split``. The
+  GEMM and the reduction both derive it from ``count`` here, so the reduction sums exactly the
+  partial tiles that were written."""
+  live_tiles = pl.cdiv(count, block_m) * col_blocks
+  return jnp.minimum(jnp.maximum(programs // jnp.maximum(live_tiles, 1), 1), split)
 
 
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               split: int, split_rows: int, fill: int, compact: bool = True,
-               kernel_nk: bool = False):
-  """One program of the dX GEMM.
+               programs: int, split: int, compact: bool = True, kernel_nk: bool = False):
+  """One persistent program of the dX GEMM: it works through the launch's *items* ``program,
+  program + programs, ...`` below their runtime number, then exits.
 
-  Without a split region (``split_rows == 0``) every program is an *ordinary* one: the
-  ``(block_m, block_k)`` tile of ``dx`` at rows ``perm[block]``, over all of ``N``. With one,
-  the first ``split_rows // block_m * col_blocks * split`` programs are *split* programs for the
-  row blocks below ``split_rows``, and the ordinary ones follow for the row blocks from there.
-  Of the split programs, the first ``live_tiles * parts`` (:func:`_dx_parts`) each take one
-  ``part`` of a live tile's loop over ``N`` and store a float32 partial tile to
-  ``partials[part]`` (compact row order; :func:`_dx_reduce_kernel` sums and scatters them); the
-  rest, tiles past ``count`` or parts past ``parts``, run no step and store nothing. Numbering
-  the working (tile, part) pairs densely from program 0 starts the long loops first, whatever
-  ``count`` is, and puts the programs that only exit or store zeros behind them.
+  The items are the GEMM's, then the zeros'. A GEMM item is one ``part`` of one live tile, a
+  ``(block_m, block_k)`` tile of ``dx`` whose rows hold kept rows. With ``split == 1`` every such
+  tile is one item over all of ``N``, stored to rows ``perm[block]`` of ``dx``. Otherwise each
+  live tile's loop over ``N`` is shared by ``parts`` items (:func:`_dx_parts`); at ``parts > 1``
+  each stores a float32 partial tile to ``partials[part]`` (compact row order;
+  :func:`_dx_reduce_kernel` sums and scatters them), even for an empty share of ``N``, since the
+  reduction reads every part. GEMM items are numbered part-major, grouped tile order within, so
+  the programs running together share operand rows in L2. A zero item is a tile past the live
+  ones: it stores zeros to rows ``perm[block]``, reading nothing. They go to the programs that
+  the GEMM leaves idle where those can store them all while a GEMM item runs, else to every
+  program after its GEMM items; every row of ``dx`` is written exactly once.
 
   ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``. ``kernel``: ``(K, N)``,
   or ``(N, K)`` with ``kernel_nk``.
@@ -468,75 +460,100 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
   col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
   total = dyc_ref.shape[1] // block_n
   count = count_ref[0]
+  live_blocks = pl.cdiv(count, block_m)
+  live_tiles = live_blocks * col_blocks
+  parts = 1
+  if split > 1:
+    parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
+                      split=split)
   program = pl.program_id(0)
-  split_blocks = split_rows // block_m
-  split_programs = split_blocks * col_blocks * split
-  # An ordinary program's tile (garbage for a split program, which picks its own below).
-  ordinary_blocks = max(dx_ref.shape[0] // block_m - split_blocks, 1)
-  row_block, col_block = _grouped_tile(program - split_programs, ordinary_blocks, col_blocks,
-                                       group)
-  start = (split_blocks + row_block) * block_m
-  first_step, share = 0, total
-  if split_rows:
-    parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill, split=split)
-    live_blocks = jnp.minimum(pl.cdiv(count, block_m), split_blocks)
-    live_tiles = jnp.maximum(live_blocks * col_blocks, 1)
-    part, tile = program // live_tiles, program % live_tiles
-    split_row, split_col = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
-    split_first, split_share = _split_share(total, parts, part)
-    works = program < live_blocks * col_blocks * parts  # only split programs can work
-    is_split = (program < split_programs).astype(jnp.int32)
-    start = _pick(is_split, split_row * block_m, start)
-    col_block = _pick(is_split, split_col, col_block)
-    first_step = _pick(is_split, split_first, 0)
-    share = _pick(is_split, works.astype(jnp.int32) * split_share, share)
-  cols = pl.ds(col_block * block_k, block_k)
-  load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
+  gemm_items = live_tiles * parts
+  zero_items = (dx_ref.shape[0] // block_m - live_blocks) * col_blocks
+  trips = pl.cdiv(jnp.maximum(gemm_items - program, 0), programs)
+  # The zero items go to the programs the GEMM leaves idle where those can store them all in
+  # the time of one GEMM item (counted in bytes moved: a step loads a `dy` and a weight tile, a
+  # zero tile is one store), so the GEMM's programs finish no later for them; else every
+  # program's own run continues past the GEMM's items (a few spare programs would otherwise
+  # store thousands of tiles each: LLaMA-3B's MLP down at 80 kept rows, 128 GEMM items for 132
+  # programs, 3968 zero tiles, NOTES "v13"). Integer flags times values, not `jnp.where`:
+  # Pallas-Triton in jax 0.11 types a select of literals as i1.
+  step_bytes, zero_bytes = block_n * (block_m + block_k), block_m * block_k
+  unit = math.gcd(step_bytes, zero_bytes)  # small integers: no int32 overflow below
+  spare = jnp.maximum(programs - gemm_items, 0)
+  has_spare = (spare * pl.cdiv(total, parts) * (step_bytes // unit)
+               >= zero_items * (zero_bytes // unit)).astype(jnp.int32) * (spare > 0).astype(
+                 jnp.int32)
+  zero_stride = has_spare * spare + (1 - has_spare) * programs
+  first_zero = program + (1 - has_spare) * trips * programs - gemm_items
+  zero_trips = pl.cdiv(jnp.maximum(zero_items - first_zero, 0), zero_stride) * (
+    first_zero >= 0).astype(jnp.int32)
 
-  def step(n, acc):
-    span = pl.ds((first_step + n) * block_n, block_n)
-    weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
-    return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
-                                 DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
-                                 preferred_element_type=jnp.float32)
+  def item(i, carry):
+    index = program + i * programs
+    # (No item at all when nothing is live: the guards only keep the divisions defined.)
+    part, tile = index // jnp.maximum(live_tiles, 1), index % jnp.maximum(live_tiles, 1)
+    row_block, col_block = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
+    start = row_block * block_m
+    first_step, share = _split_share(total, parts, part) if split > 1 else (0, total)
+    cols = pl.ds(col_block * block_k, block_k)
+    load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
-  # A block past `count` runs no step (and an ordinary one stores zeros). A trip count, not a
-  # branch, so the loop stays a plain pipelined loop, and compacted tiles go to the dot untouched
-  # (rows of the last block past `count` are zero in `dyc`).
-  steps = (start < count).astype(jnp.int32) * share
-  acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
+    def step(n, acc):
+      span = pl.ds((first_step + n) * block_n, block_n)
+      weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
+      return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
+                                   DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+                                   preferred_element_type=jnp.float32)
 
-  def store_rows():
-    dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
+    # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted tiles
+    # go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
+    acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
 
-  if not split_rows:
-    store_rows()
-    return
-  # Only the stores branch, after the loop. A working split program stores its partial tile even
-  # when its share of N is empty (zeros): the reduction reads every part below `parts`.
-  pl.when(is_split == 0)(store_rows)
+    def store_rows():
+      dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
 
-  @pl.when(works)
-  def _():
-    partials_ref[0][part, pl.ds(start, block_m), cols] = acc
+    if split == 1:
+      store_rows()
+    else:
+      pl.when(parts == 1)(store_rows)
+
+      @pl.when(parts > 1)
+      def _():
+        partials_ref[0][part, pl.ds(start, block_m), cols] = acc
+    return carry
+
+  def zero_item(i, carry):
+    zero = first_zero + i * zero_stride
+    start = (live_blocks + zero // col_blocks) * block_m
+    cols = pl.ds(zero % col_blocks * block_k, block_k)
+    dx_ref[perm_ref[pl.ds(start, block_m)], cols] = jnp.zeros((block_m, block_k), dx_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, trips, item, jnp.int32(0))
+  lax.fori_loop(0, zero_trips, zero_item, jnp.int32(0))
 
 
 def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
-                      block_k: int, fill: int):
-  """One ``(block_m, block_k)`` tile of the split region: the sum of its ``parts`` partial tiles
-  stored to rows ``perm[block]`` of ``dx`` (aliased to the GEMM's ``dx``, whose other rows it
-  keeps); zeros for a block past ``count``, whose partial tiles were never written or read."""
+                      block_k: int, programs: int):
+  """One ``(block_m, block_k)`` tile of the split region: where the GEMM split the live tiles
+  (``parts > 1``), the sum of this tile's partial tiles stored to rows ``perm[block]`` of ``dx``
+  (aliased to the GEMM's ``dx``, whose other rows it keeps); nothing otherwise, nor for a block
+  past ``count``, whose partial tiles were never written (the GEMM stored its zeros)."""
   col_blocks = dx_ref.shape[1] // block_k
   row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
   start = row_block * block_m
   count = count_ref[0]
   rows, cols = pl.ds(start, block_m), pl.ds(col_block * block_k, block_k)
-  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, fill=fill,
+  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
                     split=partials_ref.shape[0])
-  steps = (start < count).astype(jnp.int32) * parts
+  summed = (start < count) & (parts > 1)
+  steps = summed.astype(jnp.int32) * parts
   acc = lax.fori_loop(0, steps, lambda part, acc: acc + partials_ref[part, rows, cols],
                       jnp.zeros((block_m, block_k), jnp.float32))
-  dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
+
+  @pl.when(summed)
+  def _():
+    dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
@@ -568,21 +585,24 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
     dw_ref[pl.program_id(1), k_span, n_span] = acc
 
 
-def _dx_split(num_rows: int, out_steps: int, config: BlockConfig) -> tuple[int, int]:
-  """``(split, split_rows)`` of :func:`dx_pallas` for ``num_rows`` compacted rows and an ``N``
-  loop of ``out_steps`` steps: ``(1, 0)`` when off."""
+def _dx_launch(num_rows: int, in_features: int, out_steps: int,
+               config: BlockConfig) -> tuple[int, int, int]:
+  """``(programs, split, split_rows)`` of :func:`dx_pallas` for ``num_rows`` compacted rows, ``K
+  = in_features`` and an ``N`` loop of ``out_steps`` steps: the launch's programs (at most one
+  per item it can have), the most parts of a tile's ``N`` loop (1: no split) and the rows below
+  which a split can happen (where at most ``programs // 2`` tiles are live)."""
   if config.dx_split < 1:
     raise ValueError(f"`dx_split` must be >= 1, got {config.dx_split}")
+  if config.dx_programs < 0:
+    raise ValueError(f"`dx_programs` must be >= 0 (0: one per tile), got {config.dx_programs}")
+  col_blocks = in_features // config.dx_k
+  tiles = num_rows // config.dx_m * col_blocks
   split = min(config.dx_split, out_steps)  # more parts than steps would only add empty ones
-  if split <= 1:
-    return 1, 0
-  if config.dx_fill < 1 or config.dx_split_rows < config.dx_m or \
-      config.dx_split_rows % config.dx_m:
-    raise ValueError(
-      f"`dx_split={config.dx_split}` needs `dx_fill >= 1` (got {config.dx_fill}) and "
-      f"`dx_split_rows` a positive multiple of `dx_m={config.dx_m}` (got "
-      f"{config.dx_split_rows}); `with_dx_split` sets both for this GPU")
-  return split, min(config.dx_split_rows, num_rows)
+  programs = min(config.dx_programs or tiles, tiles * split)
+  split_rows = min(programs // 2 // col_blocks * config.dx_m, num_rows)
+  if split <= 1 or not split_rows:
+    return min(programs, tiles), 1, 0
+  return programs, split, split_rows
 
 
 _DX_REDUCE_WARPS = 4
@@ -592,8 +612,9 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False, kernel_nk: bool = False) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
-  One GEMM launch (``sebp_dx``); with ``config.dx_split > 1`` also a reduction launch
-  (``sebp_dx_reduce``) that sums the split tiles' float32 partials into ``dx`` in place.
+  One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows; with
+  ``config.dx_split > 1`` also a reduction launch (``sebp_dx_reduce``) that sums the split
+  tiles' float32 partials into ``dx`` in place.
 
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
@@ -606,25 +627,23 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   """
   num_rows, out_features = dyc.shape
   in_features = kernel.shape[1 if kernel_nk else 0]
-  col_blocks = in_features // config.dx_k
-  split, split_rows = _dx_split(num_rows, out_features // config.dx_n, config)
+  programs, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n,
+                                           config)
   launch = functools.partial(_launch, interpret=interpret)
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
-                           split=split, split_rows=split_rows, fill=config.dx_fill,
-                           compact=config.compact, kernel_nk=kernel_nk)
+                           programs=programs, split=split, compact=config.compact,
+                           kernel_nk=kernel_nk)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
-  split_tiles = split_rows // config.dx_m * col_blocks
-  grid = (split_tiles * split + (num_rows - split_rows) // config.dx_m * col_blocks,)
-  gemm = functools.partial(launch, body, grid=grid, warps=config.dx_warps,
+  gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
                            stages=config.dx_stages, name="sebp_dx")
-  if not split_rows:
+  if split == 1:
     return gemm(dx_shape)(count, perm, dyc, kernel)
   partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
   dx, partials = gemm((dx_shape, partials_shape))(count, perm, dyc, kernel)
   reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                             fill=config.dx_fill)
-  # `dx` in place: its rows past the split region are the GEMM's, written once.
+                             programs=programs)
+  split_tiles = split_rows // config.dx_m * (in_features // config.dx_k)
   return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
                 name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
 
