@@ -49,6 +49,12 @@ CANDIDATES = {
   # benchmarks/NOTES.md "v13"): smaller pipelines, so that more programs share an SM.
   "dw_m32_s2": _Config(dw_m=32, dw_stages=2),
   "dw_m32_s2_w4": _Config(dw_m=32, dw_stages=2, dw_warps=4),
+  # ... or persistent dW programs (2 or 3 per SM of a 132-SM H100 or H200, as their pipelines
+  # fit), each looping over tiles: a tile's stores drain while the program loads the next
+  # tile's rows, instead of a new program's launch and first loads (benchmarks/NOTES.md, "v13":
+  # 1,536 programs store LLaMA b1 up's 50 MB dW at 1.8 TB/s).
+  "dw_p264": _Config(dw_programs=264),
+  "dw_p396_s2_w4": _Config(dw_programs=396, dw_stages=2, dw_warps=4),
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
   # (LLaMA-3B at batch 1, ~80 kept rows: 48 dX programs on 132 SMs with the default tiles, 96
   # with dx_k64, 192 with dx_k32); shorter row blocks waste less of the last one.
@@ -77,6 +83,11 @@ CANDIDATES = {
   "dx_split8_p132": _Config(dx_split=8, dx_programs=132),
   "dx_n128_s4_split4": _Config(dx_n=128, dx_stages=4, dx_split=4),
   "dx_m32_split4": _Config(dx_m=32, dx_split=4),
+  # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
+  # its N loop split so that ~24 tiles become ~200 items (NOTES "v13": at 2 % the dX time is
+  # the GEMM programs streaming W, ~41 GB/s each).
+  "dx_m128_split8": _Config(dx_m=128, dx_warps=8, dx_split=8),
+  "dx_m128_n128_s3_split8": _Config(dx_m=128, dx_n=128, dx_stages=3, dx_warps=8, dx_split=8),
   # No gather: the GEMMs read the kept rows in place through the permutation (as the vocabulary
   # class does). At a few dozen kept rows the gather is a launch and ~8 µs of a ~0.1 ms layer
   # (benchmarks/NOTES.md, "v8"), and the GEMMs stream W, not the rows.

@@ -62,9 +62,10 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
   assert_close(dw, want_dw, x.dtype, what="dw")
 
 
-# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none;
-# with it, 4 persistent dX programs loop over up to 15 tiles (5 row blocks of 16 x 3 column
-# blocks of 16 once K is padded to 48), up to 4 each. The dX splits (N = 60 padded to 64: 4 steps
+# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none,
+# and 2 persistent programs per part loop over its 6 tiles (3 x 2); with it, 4 persistent dX
+# programs loop over up to 15 tiles (5 row blocks of 16 x 3 column blocks of 16 once K is
+# padded to 48), up to 4 each. The dX splits (N = 60 padded to 64: 4 steps
 # of 16, the last with real columns, so that a missing last part shows):
 # * 4 parts at most, to occupy 24 programs: counts up to 32 run 4 parts of one step each, up to
 #   64 run 2, past that 1 (the split region is the first 64 rows);
@@ -73,8 +74,8 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
 # compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
 # count (with dW split, and with the first dX split).
 DX_SPLIT = dict(dx_split=4, dx_programs=24)
-SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4), DX_SPLIT,
-          dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2),
+SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4, dw_programs=2), DX_SPLIT,
+          dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2, dw_programs=5),
           dict(compact=False, **DX_SPLIT)]
 
 
@@ -305,18 +306,19 @@ def test_dx_launch_from_the_programs(programs, in_features, split, launch):
   assert pallas_backend._dx_launch(4096, in_features, 64, config) == launch
 
 
-@pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1)])
-def test_bad_dx_split_is_named(split):
+@pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1),
+                                   dict(dw_programs=-1)])
+def test_bad_launch_sizes_are_named(split):
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
-  with pytest.raises(ValueError, match="`dx_(split|programs)`"):
+  with pytest.raises(ValueError, match="`d[xw]_(split|programs)`"):
     jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
                                                    config=config, interpret=True))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(max_rows=100)], ids=str)
-@pytest.mark.parametrize("split", [dict(), dict(dw_split=3, dx_programs=3),
+@pytest.mark.parametrize("split", [dict(), dict(dw_split=3, dx_programs=3, dw_programs=5),
                                    dict(dx_split=4, dx_programs=8),
                                    dict(dx_split=8, dx_programs=132),
                                    dict(compact=False),

@@ -17,15 +17,16 @@ The plan (DESIGN §5, v5: compact first):
   multiplies contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of
   ``dx``; a tile past ``count`` stores zeros there, reading nothing. Every row of ``dx`` is
   written exactly once. The launch is persistent: ``dx_programs`` programs (sized for the GPU)
-  loop over the live tiles, then over the zero tiles, so the zeros go first to the programs the
-  GEMM leaves idle and no program is launched just to store one zero tile. With
+  loop over the live tiles, then over the zero tiles (sent to the programs the GEMM leaves idle
+  where those can absorb them), so no program is launched just to store one zero tile. With
   few kept rows those tiles are fewer than the programs, each streaming all of ``N``; with
   ``dx_split`` each live tile's ``N`` loop is shared by ``parts`` programs, ``parts`` chosen from
   ``count`` at run time to occupy the launch, and a reduction kernel sums their float32 partial
   tiles into ``dx`` in place (``input_output_aliases``);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
   count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
-  programs share a tile's rows and XLA sums their float32 partial tiles;
+  programs share a tile's rows and XLA sums their float32 partial tiles; ``dw_programs`` (opt-in)
+  makes it persistent, each program looping over tiles;
 * **crossover**: above a measured fraction of kept rows ``lax.cond`` runs the dense backward.
 
 Both GEMMs walk their tiles in grouped order (``dx_group`` / ``dw_group`` row blocks at a time,
@@ -72,7 +73,8 @@ class BlockConfig:
 
   ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
   ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
-  programs one SM holds).
+  programs one SM holds). ``dw_programs``: likewise for each part of the dW launch, looping over
+  its tiles (``0``, the default everywhere: one program per tile).
 
   The dX split (off at ``dx_split == 1``): with few kept rows only ``cdiv(count, dx_m) * K /
   dx_k`` dX tiles have work, fewer than the programs, and each streams its whole loop over ``N``
@@ -98,6 +100,7 @@ class BlockConfig:
   dw_split: int = 1
   dx_split: int = 1
   dx_programs: int = 0
+  dw_programs: int = 0
   compact: bool = True
   crossover: float = 0.4
 
@@ -557,32 +560,42 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
-               block_m: int, block_k: int, block_n: int, group: int, split: int, precision,
-               compact: bool = True):
-  """One ``(block_k, block_n)`` tile of ``dw``, summed over the kept rows only (over this
-  program's share of them when ``split > 1``: a partial tile at ``dw[part]``). ``xc``, ``dyc``:
-  the compacted ``x`` and ``dy``, or the originals when not ``compact``."""
+               block_m: int, block_k: int, block_n: int, group: int, programs: int,
+               split: int, precision, compact: bool = True):
+  """``(block_k, block_n)`` tiles of ``dw``, each summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[part]``): tiles
+  ``program, program + programs, ...`` in grouped order (one tile each when ``programs`` is the
+  tile count). ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not
+  ``compact``."""
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
-  k_block, n_block = _grouped_tile(pl.program_id(0), k_blocks, n_blocks, group)
-  k_span = pl.ds(k_block * block_k, block_k)
-  n_span = pl.ds(n_block * block_n, block_n)
-
   count = count_ref[0]
-
-  def step(t, acc):
-    load = _kept_rows(perm_ref, count, t * block_m, block_m, compact=compact)
-    return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
-                                 precision=precision, preferred_element_type=jnp.float32)
-
-  # Runtime trip count: the cost follows the kept rows, not the padded length. Program `part`
+  # Runtime trip count: the cost follows the kept rows, not the padded length. Part `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  first, steps = _split_share(pl.cdiv(count, block_m), split, pl.program_id(1))
-  acc = lax.fori_loop(0, steps, lambda t, acc: step(first + t, acc),
-                      jnp.zeros((block_k, block_n), jnp.float32))
-  if split == 1:
-    dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+  part = pl.program_id(1)  # read here: the interpreter has no program_id inside a loop body
+  first, steps = _split_share(pl.cdiv(count, block_m), split, part)
+  program = pl.program_id(0)
+
+  def tile(i, carry):
+    k_block, n_block = _grouped_tile(program + i * programs, k_blocks, n_blocks, group)
+    k_span = pl.ds(k_block * block_k, block_k)
+    n_span = pl.ds(n_block * block_n, block_n)
+
+    def step(t, acc):
+      load = _kept_rows(perm_ref, count, (first + t) * block_m, block_m, compact=compact)
+      return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
+                                   precision=precision, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_k, block_n), jnp.float32))
+    if split == 1:
+      dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+    else:
+      dw_ref[part, k_span, n_span] = acc
+    return carry
+
+  if programs == k_blocks * n_blocks:  # one tile per program: no loop around it at all
+    tile(0, None)
   else:
-    dw_ref[pl.program_id(1), k_span, n_span] = acc
+    lax.fori_loop(0, pl.cdiv(k_blocks * n_blocks - program, programs), tile, jnp.int32(0))
 
 
 def _dx_launch(num_rows: int, in_features: int, out_steps: int,
@@ -663,13 +676,16 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
   """
   in_features, out_features = xc.shape[1], dyc.shape[1]
   split = config.dw_split
+  if config.dw_programs < 0:
+    raise ValueError(f"`dw_programs` must be >= 0 (0: one per tile), got {config.dw_programs}")
+  tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
+  programs = min(config.dw_programs or tiles, tiles)
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
-                           block_n=config.dw_n, group=config.dw_group, split=split,
-                           precision=precision, compact=config.compact)
+                           block_n=config.dw_n, group=config.dw_group, programs=programs,
+                           split=split, precision=precision, compact=config.compact)
   out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
     (split, in_features, out_features), jnp.float32)
-  tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
-  dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(tiles, split),
+  dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(programs, split),
                warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
                name="sebp_dw")(count, perm, xc, dyc)
   return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
