@@ -223,6 +223,7 @@ def kept_rows(name: str, shape: LayerShape, fraction: float, dtype, *, reps: int
   for gemm in _GEMMS:
     cases = {_CUBLAS: cublas_gemm(gemm, count)} if count else {}
     if gemm == "dx" and not count:
+      # Tied to an input, or XLA would make the zeros a constant outside the timed program.
       cases[_ZEROS] = lambda x, kernel, dy: jnp.zeros((m, k), dy.dtype) + dy[0, 0] * 0
     cases[_TABLE] = pallas_gemm(gemm, config, m, count, interpret=interpret)
     times = {case: device_time_ms(fn, sets, trials=trials) for case, fn in cases.items()}

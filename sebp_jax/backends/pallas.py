@@ -442,8 +442,9 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                block_m: int, block_k: int, block_n: int, group: int, precision,
                programs: int, split: int, compact: bool = True, kernel_nk: bool = False):
-  """One persistent program of the dX GEMM: it works through the launch's *items* ``program,
-  program + programs, ...`` below their runtime number, then exits.
+  """One persistent program of the dX GEMM: it works through its share of the launch's
+  *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
+  zero items), then exits.
 
   The items are the GEMM's, then the zeros'. A GEMM item is one ``part`` of one live tile, a
   ``(block_m, block_k)`` tile of ``dx`` whose rows hold kept rows. With ``split == 1`` every such
@@ -483,9 +484,8 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
   step_bytes, zero_bytes = block_n * (block_m + block_k), block_m * block_k
   unit = math.gcd(step_bytes, zero_bytes)  # small integers: no int32 overflow below
   spare = jnp.maximum(programs - gemm_items, 0)
-  has_spare = (spare * pl.cdiv(total, parts) * (step_bytes // unit)
-               >= zero_items * (zero_bytes // unit)).astype(jnp.int32) * (spare > 0).astype(
-                 jnp.int32)
+  has_spare = ((spare > 0) & (spare * pl.cdiv(total, parts) * (step_bytes // unit)
+                              >= zero_items * (zero_bytes // unit))).astype(jnp.int32)
   zero_stride = has_spare * spare + (1 - has_spare) * programs
   first_zero = program + (1 - has_spare) * trips * programs - gemm_items
   zero_trips = pl.cdiv(jnp.maximum(zero_items - first_zero, 0), zero_stride) * (
