@@ -28,7 +28,8 @@ Variants (:data:`VARIANTS`)
   :func:`sebp_torch_ref.row_plan` of the batch's attention mask: no layer selects its rows) and
   ``torch-sebp-topn`` (the paper's fixed Top-N,
   ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
-  ``torch-dense-graphed``, ``torch-sebp-plan-graphed`` and ``torch-bound-graphed`` run the same
+  ``torch-dense-graphed``, ``torch-sebp-plan-graphed``, ``torch-bound-graphed`` and
+  ``torch-sebp-topn-graphed`` run the same
   models' steps as CUDA graphs (:class:`benchmarks.torch_graph.GraphedStep`: no host launch
   overhead; CUDA only, refused elsewhere);
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
@@ -279,6 +280,7 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense-graphed", "torch", "dense", graphed=True),
   Variant("torch-sebp-plan-graphed", "torch", "triton", rows=True, graphed=True),
   Variant("torch-bound-graphed", "torch", "bound", graphed=True),
+  Variant("torch-sebp-topn-graphed", "torch", "triton", max_rows="paper", graphed=True),
   # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
   Variant("torch-dense-compiled", "torch", "compiled"),
   Variant("jax-dynamic", "jax", "dynamic"),

@@ -250,7 +250,7 @@ def test_vocabulary_wide_layers_read_kept_rows_in_place(out_features, compact):
 @pytest.mark.parametrize("rows,in_features,out_features,dx_n,dx_k", [
   (4096, 3072, 8192, 128, 128),  # LLaMA-3B MLP up at batch 1: long dX steps over N
   (4096, 3072, 3072, 128, 128),  # its q/o projections, as long
-  (4096, 8192, 3072, 64, 128),  # its MLP down: a short loop over N, the default tiles
+  (4096, 8192, 3072, 128, 128),  # its MLP down, as long (on the persistent dX launch)
   (4096, 3072, 1024, 64, 128),  # its k/v projections: a small weight, the default tiles
   (32768, 3072, 8192, 64, 256),  # the MLP at batch 8: the wide tiles
 ])

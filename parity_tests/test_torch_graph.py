@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from benchmarks import bert, torch_graph, workloads  # noqa: E402
 from benchmarks.torch_graph import GraphedStep  # noqa: E402
-from sebp_torch_ref import apply_sebp, row_plan  # noqa: E402
+from sebp_torch_ref import RowPolicy, apply_sebp, row_plan  # noqa: E402
 from parity_tests.tolerances import assert_close  # noqa: E402
 
 SEQ = 24
@@ -151,6 +151,26 @@ def test_cuda_graphed_sebp_plan_step_matches_the_eager_step():
     # The benchmark's optimizer, with lr 0: the parameters stay the eager reference's.
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, capturable=True)
     step = GraphedStep(model, optimizer, _batch(EXAMPLE_LENGTHS, 0, "cuda"), _planned)
+    for batch, (want_loss, want_grads) in zip(loaded, wanted):
+        loss, grads = _replayed(step, model, batch)
+        assert_close(loss, want_loss, dtype="float32")
+        for got, want in zip(grads, want_grads, strict=True):
+            assert_close(got, want, dtype="float32")
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_top_n_step_matches_the_eager_step():
+    """The paper's fixed Top-N (fewer kept rows than the batch's real ones, so the ranking
+    matters) captured in CUDA graphs: its selection never waits for the host, and two loaded
+    batches in turn give the eager step's loss and gradients."""
+    torch.manual_seed(0)
+    model = _tiny_bert("cuda")
+    apply_sebp(model, RowPolicy(max_rows=16), impl="triton")
+    loaded = [_batch(LOADED_LENGTHS, 1, "cuda"), _batch([2, 24, 7], 2, "cuda")]
+    wanted = [_eager_grads(model, b, contextlib.nullcontext()) for b in loaded]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, capturable=True)
+    step = GraphedStep(model, optimizer, _batch(EXAMPLE_LENGTHS, 0, "cuda"),
+                       lambda inputs: contextlib.nullcontext())
     for batch, (want_loss, want_grads) in zip(loaded, wanted):
         loss, grads = _replayed(step, model, batch)
         assert_close(loss, want_loss, dtype="float32")

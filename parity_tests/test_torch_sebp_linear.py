@@ -327,10 +327,6 @@ def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
     no tensor turned into a Python value; on CUDA also under ``set_sync_debug_mode("error")``.
     ``"row_plan"``: the exact policy under a row plan of the padding mask."""
     _skip_unavailable("triton", device)
-    if device == "cuda" and isinstance(policy, RowPolicy) and policy.max_rows is not None:
-        # Seen on an H100 (2026-11-26, torch 2.11): the sync-debug mode flags a device sync in
-        # the Top-N selection; the exact and threshold policies pass. Not yet located.
-        pytest.xfail("the Top-N (max_rows) selection still synchronises on CUDA")
     gen = _generator("host-reads", str(policy))
     dy = make_output_grad("right_pad", (3, 13), gen).to(device)
     planned = policy == "row_plan"

@@ -121,9 +121,11 @@ def keep_mask(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
         torch.where(active, norms, torch.full_like(norms, -1.0)),
     )
     order = torch.sort(rank_key, descending=True, stable=True).indices
-    in_top = torch.zeros_like(active)
-    in_top[order[: policy.max_rows]] = True
-    return active & in_top
+    # Each row's place in that order (the inverse permutation, one scatter), so that the Top-N
+    # is a comparison: device kernels only, nothing the host waits for (CUDA-graph capturable).
+    place = torch.empty_like(order).scatter_(
+        0, order, torch.arange(num_rows, dtype=order.dtype, device=order.device))
+    return active & (place < policy.max_rows)
 
 
 def active_first_permutation(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

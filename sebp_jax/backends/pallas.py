@@ -117,13 +117,14 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
-  # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3), at least as many output
-  # as input features. Its ~2-5 % kept rows give a few dozen dX tiles, each streaming all of N
-  # alone; steps of 128 columns four deep keep more of W in flight per program: MLP up 0.154 ->
-  # 0.120 ms at 2 %, 0.170 -> 0.132 at 5 %, 0.241 -> 0.233 at 21 %; q/o 0.089 -> 0.069 at 2 %
-  # but +10 % at 21 % (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection).
-  # The MLP down projection (N = 3072 < K = 8192: a short loop, wide tiles) keeps the default:
-  # there the long steps cost dX +18 % at 2 % and +36 % at 5 % (results/v10_h100/tune_v10.log).
+  # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
+  # give a few dozen dX tiles, each streaming all of N alone; steps of 128 columns four deep keep
+  # more of W in flight per program: MLP up 0.154 -> 0.120 ms at 2 %, 0.170 -> 0.132 at 5 %,
+  # 0.241 -> 0.233 at 21 %; q/o 0.089 -> 0.069 at 2 % but +10 % at 21 %
+  # (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection). The MLP down
+  # projection (N = 3072 < K = 8192) lost with these steps while every dead tile had its own
+  # program (dX +18 % at 2 %, results/v10_h100/tune_v10.log); on the persistent launch it gains:
+  # dX 57 -> 49 us at 2 %, 62 -> 58 at 5 %, 127 -> 130 at 21 % (results/v14_h100/tune_v14_h100.json).
   ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
   # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
   # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
@@ -195,10 +196,7 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
   if out_features >= _IN_PLACE_COLUMNS:
     shape_class = "vocab"
   elif in_features * out_features >= _WIDE_WEIGHT:
-    if num_rows >= _WIDE_ROWS:
-      shape_class = "wide"
-    else:
-      shape_class = "wide_short" if out_features >= in_features else "narrow"
+    shape_class = "wide" if num_rows >= _WIDE_ROWS else "wide_short"
   else:
     shape_class = "narrow"
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
