@@ -45,9 +45,11 @@ def _dy(kind: str, m: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> 
         dy[m - 1] = 0
         dy[m - 1, 0] = -math.inf
         dy[2, 1] = math.inf
-    if kind == "huge":  # squares overflow float32; the norm must not
+    if kind in ("huge", "huge_nonfinite"):  # squares overflow float32; the norm must not
         dy[0] = 3e38
         dy[3] = 2e38
+    if kind == "huge_nonfinite":  # a norm past float32's range still ranks below a NaN row
+        dy[m - 1, 0] = math.nan
     return dy
 
 
@@ -62,8 +64,9 @@ POLICIES = [
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
-@pytest.mark.parametrize("kind", ["all_zero", "all_active", "random", "ties", "nonfinite", "huge"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["all_zero", "all_active", "random", "ties", "nonfinite", "huge",
+                                  "huge_nonfinite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_keep_mask_matches_reference(policy, kind, dtype):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{policy}{kind}{dtype}".encode()))
     dy = _dy(kind, 23, 17, dtype, gen)

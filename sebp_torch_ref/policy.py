@@ -88,10 +88,24 @@ def row_scores(dy: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(dy, ord=math.inf, dim=1).float()
 
 
-def _row_norms(dy: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Float32 L2 norm of each row, computed on the row divided by ``scale`` so no square overflows."""
-    scaled = dy.float() / scale[:, None]
-    return scale * torch.linalg.vector_norm(scaled, dim=1)
+def _row_norms(dy: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Float32 L2 norm of each finite row (clamped to float32's max), never overflowing or
+    underflowing on the way, in one pass over ``dy`` in its own dtype (the norm accumulates in
+    float32 without a float32 copy of ``dy``).
+
+    A float16 entry's square is a normal float32. Wider-ranged dtypes are first divided by a
+    power of two near the row's max (``scores``), which is exact. A non-finite row's norm is
+    meaningless: :func:`keep_mask` ranks those rows by their flag.
+    """
+    accumulate = torch.promote_types(dy.dtype, torch.float32)
+    if dy.dtype == torch.float16:
+        norms = torch.linalg.vector_norm(dy, dim=1, dtype=accumulate)
+    else:
+        exponent = torch.frexp(scores).exponent.clamp(-100, 100)
+        scale = torch.ldexp(torch.ones_like(scores), exponent)
+        scaled = dy / scale[:, None].to(dy.dtype)
+        norms = scale * torch.linalg.vector_norm(scaled, dim=1, dtype=accumulate).float()
+    return norms.float().clamp(max=torch.finfo(torch.float32).max)
 
 
 def keep_mask(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
@@ -113,8 +127,7 @@ def keep_mask(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
     # Rank active rows by norm, non-finite rows above every finite one, inactive rows below all.
     # A stable descending sort keeps the lower index first among equal keys (torch.topk does not
     # promise an order among ties): the contract's tie-break.
-    safe_scale = torch.where(nonfinite | (scores == 0), torch.ones_like(scores), scores)
-    norms = _row_norms(torch.where(nonfinite[:, None], torch.zeros_like(dy), dy), safe_scale)
+    norms = _row_norms(dy, scores)
     rank_key = torch.where(
         nonfinite,
         torch.full_like(norms, math.inf),
