@@ -256,8 +256,9 @@ def _main(argv: Sequence[str] | None = None) -> None:
     result["rows"].append(row)
     print(f"{definition}: fwd {row['fwd_ms']:.2f} ms, bwd {row['bwd_ms']:.2f} ms, "
           f"{row['hlo_instructions']} instructions", flush=True)
-  (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-  (args.out_dir / f"{stem}.md").write_text(markdown_table(result))
+    # Rewritten after every definition: a run cut short keeps what it measured.
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{stem}.md").write_text(markdown_table(result))
 
 
 if __name__ == "__main__":

@@ -321,6 +321,30 @@ class _HostReads:
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("kind", ["random", "ties", "nonfinite", "huge_nonfinite", "tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_top_n_ranking_follows_the_contract(kind, dtype, device):
+    """The Top-N flags the Triton path ranks in one launch (a row's norm summed while its max
+    grows, then the device sort) equal the contract's, read row by row in float64, and
+    ``keep_mask``'s torch ops: non-finite rows first, larger norm, lower index on ties."""
+    _skip_unavailable("triton", device)
+    from parity_tests.test_torch_policy import _dy, reference_keep
+    from sebp_torch_ref.kernels import _given_keep
+
+    gen = _generator("top-n", kind, str(dtype))
+    # 300 columns: several of the launch's column steps, so the running max grows mid-row.
+    dy = _dy("huge_nonfinite" if kind == "tiny" else kind, 23, 300, dtype, gen)
+    if kind == "tiny":  # rows far below 1: a sum started at scale 1.0 would overflow its rescale
+        tiny = torch.randn(2, 300, generator=gen)
+        dy[4] = (tiny[0] * (1e-30 if dtype != torch.float16 else 1e-6)).to(dtype)
+        dy[5] = (tiny[1] * (3e-38 if dtype != torch.float16 else 1e-7)).to(dtype)
+    for policy in (RowPolicy(max_rows=1), RowPolicy(max_rows=5), RowPolicy(threshold=1e-3, max_rows=9)):
+        got = _given_keep(dy.to(device), policy).cpu()
+        assert got.tolist() == reference_keep(dy, policy).tolist(), policy
+        assert torch.equal(got, keep_mask(dy, policy)), policy
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=7), "row_plan"], ids=str)
 def test_triton_backward_reads_nothing_on_host(policy, device, monkeypatch):
     """The default CUDA path never waits for the device: no ``.item()``, ``.cpu()``, ``nonzero``,

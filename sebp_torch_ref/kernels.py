@@ -9,7 +9,8 @@ whole backward can be captured in a CUDA graph.
 1. **select** (a grid over row blocks of ``dY``): one read of ``dY`` gives each row's keep flag
    (float32 ``max |dY|`` against the threshold, NaN/Inf always kept), the number of kept rows per
    block and, when the bias needs it, the block's column sums of ``dY`` (``db``'s partial sums).
-   ``max_rows`` policies rank rows with torch ops first and pass the flags in.
+   ``max_rows`` policies rank the rows first (one launch computes each row's key in one read of
+   ``dY``; a sort and a scatter on the device pick the Top-N) and pass the flags in.
 2. **compact** (the same grid): each block adds up the counts of the blocks before it, writes its
    rows' places in the active-first permutation ``perm`` (kept rows first, each part in row
    order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers;
@@ -57,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .policy import RowPolicy, keep_mask
+from .policy import RowPolicy, top_rows
 
 __all__ = [
     "check_device", "default_config", "interpreter_enabled", "permutation_of", "sebp_gemms", "sebp_grads",
@@ -112,6 +113,48 @@ def _select_kernel(
         keep = (score > threshold) | (nonfinite > 0)
         tl.store(keep_ptr + rows, keep.to(tl.int8), mask=in_rows)
     tl.store(block_counts_ptr + pid, tl.sum((keep & in_rows).to(tl.int32)))
+
+
+@triton.jit
+def _rank_key_kernel(
+    dy_ptr, key_ptr, threshold, M, N, stride_dym, stride_dyn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """A Top-N policy's ranking key of each row in one read of ``dy``: its float32 L2 norm if it
+    is active, ``inf`` if it holds a NaN/Inf, ``-1`` if inactive (:func:`~.policy.top_rows`).
+
+    The norm is summed over the row divided by a power of two near its running max (exact
+    divisions; the sum is rescaled, by a power of two, when the max grows), so no square overflows
+    or underflows, as :func:`~.policy.keep_mask`'s does (one pass where that takes three)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    score = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    nonfinite = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    # The scale starts at the smallest it can be and only grows: every rescale is by a ratio <= 1.
+    scale = tl.full((BLOCK_M,), 2.0 ** -100, dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        a = tl.abs(tl.load(
+            dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+            mask=in_rows[:, None] & (ns[None, :] < N),
+            other=0.0,
+        ).to(tl.float32))
+        bad = (a != a) | (a == float("inf"))
+        nonfinite = tl.maximum(nonfinite, tl.max(bad.to(tl.int32), axis=1))
+        a = tl.where(bad, 0.0, a)
+        score = tl.maximum(score, tl.max(a, axis=1))
+        # log2(0) is -inf: an all-zero row so far keeps the smallest scale.
+        new_scale = tl.exp2(tl.minimum(tl.maximum(tl.floor(tl.log2(score)), -100.0), 100.0))
+        ratio = scale / new_scale
+        scaled = a / new_scale[:, None]
+        squares = squares * ratio * ratio + tl.sum(scaled * scaled, axis=1)
+        scale = new_scale
+    norm = tl.minimum(scale * tl.sqrt(squares), 3.4028234663852886e38)
+    active = score > threshold
+    key = tl.where(nonfinite > 0, float("inf"), tl.where(active, norm, -1.0))
+    tl.store(key_ptr + rows, key, mask=in_rows)
 
 
 @triton.jit
@@ -546,7 +589,7 @@ def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torc
 
     Args:
         dy: ``(M, N)`` output gradient.
-        policy: the :class:`RowPolicy`; ``max_rows`` policies rank rows with torch ops first.
+        policy: the :class:`RowPolicy`; ``max_rows`` policies rank the rows first.
 
     Returns:
         ``perm`` ``(M,)`` int32 and ``count`` ``(1,)`` int32, both on ``dy``'s device.
@@ -571,11 +614,16 @@ def permutation_of(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
-    """The keep flags of a Top-N policy, ranked with torch ops; ``None`` where the select launch
-    scores the rows itself."""
-    if policy.max_rows is not None and policy.max_rows < dy.shape[0]:
-        return keep_mask(dy, policy)
-    return None
+    """The keep flags of a Top-N policy: each row's ranking key in one launch, then the Top-N by
+    torch ops on the device; ``None`` where the select launch scores the rows itself."""
+    if policy.max_rows is None or policy.max_rows >= dy.shape[0]:
+        return None
+    M, N = dy.shape
+    plan = _select_plan(M)
+    keys = torch.empty(M, dtype=torch.float32, device=dy.device)
+    _rank_key_kernel[plan.grid](dy, keys, policy.threshold, M, N,
+                                dy.stride(0), dy.stride(1), **plan.select)
+    return top_rows(keys, policy.max_rows)
 
 
 def sebp_gemms(

@@ -133,12 +133,30 @@ def keep_mask(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
         torch.full_like(norms, math.inf),
         torch.where(active, norms, torch.full_like(norms, -1.0)),
     )
+    return top_rows(rank_key, policy.max_rows)
+
+
+def top_rows(rank_key: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """The ``max_rows`` rows of largest ``rank_key`` among those with ``rank_key >= 0`` (the active
+    rows: their float32 L2 norm, ``inf`` for a non-finite row; ``-1`` marks an inactive one), ties
+    to the lower index.
+
+    Device kernels only, nothing the host waits for (CUDA-graph capturable): a stable descending
+    sort (``torch.topk`` promises no order among ties), then each row's place in that order by one
+    scatter of the inverse permutation, compared with ``max_rows``. (An index assignment such as
+    ``in_top[order[:k]] = True`` synchronises on CUDA: ``results/v14_h100/sync_probe.txt``.)
+
+    Args:
+        rank_key: ``(M,)`` float32.
+        max_rows: the Top-N.
+
+    Returns:
+        ``(M,)`` bool mask.
+    """
     order = torch.sort(rank_key, descending=True, stable=True).indices
-    # Each row's place in that order (the inverse permutation, one scatter), so that the Top-N
-    # is a comparison: device kernels only, nothing the host waits for (CUDA-graph capturable).
     place = torch.empty_like(order).scatter_(
-        0, order, torch.arange(num_rows, dtype=order.dtype, device=order.device))
-    return active & (place < policy.max_rows)
+        0, order, torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
+    return (rank_key >= 0) & (place < max_rows)
 
 
 def active_first_permutation(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
