@@ -90,12 +90,13 @@ def row_scores(dy: torch.Tensor) -> torch.Tensor:
 
 def _row_norms(dy: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Float32 L2 norm of each finite row (clamped to float32's max), never overflowing or
-    underflowing on the way, in one pass over ``dy`` in its own dtype (the norm accumulates in
-    float32 without a float32 copy of ``dy``).
+    underflowing on the way, and never a float32 copy of ``dy`` (the norm accumulates in float32
+    as it reads ``dy`` in its own dtype).
 
-    A float16 entry's square is a normal float32. Wider-ranged dtypes are first divided by a
-    power of two near the row's max (``scores``), which is exact. A non-finite row's norm is
-    meaningless: :func:`keep_mask` ranks those rows by their flag.
+    A float16 entry's square is a normal float32: one read. Wider-ranged dtypes are first divided
+    by a power of two near the row's max (``scores``), which is exact: one copy in ``dy``'s dtype
+    and one read. A non-finite row's norm is meaningless: :func:`keep_mask` ranks those rows by
+    their flag.
     """
     accumulate = torch.promote_types(dy.dtype, torch.float32)
     if dy.dtype == torch.float16:
@@ -104,7 +105,7 @@ def _row_norms(dy: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         exponent = torch.frexp(scores).exponent.clamp(-100, 100)
         scale = torch.ldexp(torch.ones_like(scores), exponent)
         scaled = dy / scale[:, None].to(dy.dtype)
-        norms = scale * torch.linalg.vector_norm(scaled, dim=1, dtype=accumulate).float()
+        norms = scale * torch.linalg.vector_norm(scaled, dim=1, dtype=accumulate)
     return norms.float().clamp(max=torch.finfo(torch.float32).max)
 
 
@@ -125,8 +126,6 @@ def keep_mask(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
     if policy.max_rows is None or policy.max_rows >= num_rows:
         return active
     # Rank active rows by norm, non-finite rows above every finite one, inactive rows below all.
-    # A stable descending sort keeps the lower index first among equal keys (torch.topk does not
-    # promise an order among ties): the contract's tie-break.
     norms = _row_norms(dy, scores)
     rank_key = torch.where(
         nonfinite,
