@@ -79,6 +79,15 @@ _INTERPRET = interpreter_enabled()
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
+def _finite_abs(a):
+    """``|a|`` with its NaN/Inf entries as 0, and each row's flag (int32) of holding one: tl.max
+    need not propagate NaN, so they are flagged explicitly (``a != a`` is NaN)."""
+    a = tl.abs(a)
+    bad = (a != a) | (a == float("inf"))
+    return tl.where(bad, 0.0, a), tl.max(bad.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _select_kernel(
     dy_ptr, keep_ptr, block_counts_ptr, db_partial_ptr, threshold, M, N,
     stride_dym, stride_dyn,
@@ -102,11 +111,9 @@ def _select_kernel(
             if WITH_DB:
                 tl.store(db_partial_ptr + pid * N + ns, tl.sum(a, axis=0), mask=ns < N)
             if not KEEP_GIVEN:
-                a = tl.abs(a)
-                # tl.max need not propagate NaN, so NaN/Inf are flagged explicitly (a != a is NaN).
-                bad = (a != a) | (a == float("inf"))
-                nonfinite = tl.maximum(nonfinite, tl.max(bad.to(tl.int32), axis=1))
-                score = tl.maximum(score, tl.max(tl.where(bad, 0.0, a), axis=1))
+                a, chunk_nonfinite = _finite_abs(a)
+                nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
+                score = tl.maximum(score, tl.max(a, axis=1))
     if KEEP_GIVEN:
         keep = tl.load(keep_ptr + rows, mask=in_rows, other=0) != 0
     else:
@@ -136,14 +143,12 @@ def _rank_key_kernel(
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
-        a = tl.abs(tl.load(
+        a, chunk_nonfinite = _finite_abs(tl.load(
             dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
             mask=in_rows[:, None] & (ns[None, :] < N),
             other=0.0,
         ).to(tl.float32))
-        bad = (a != a) | (a == float("inf"))
-        nonfinite = tl.maximum(nonfinite, tl.max(bad.to(tl.int32), axis=1))
-        a = tl.where(bad, 0.0, a)
+        nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
         score = tl.maximum(score, tl.max(a, axis=1))
         # log2(0) is -inf: an all-zero row so far keeps the smallest scale.
         new_scale = tl.exp2(tl.minimum(tl.maximum(tl.floor(tl.log2(score)), -100.0), 100.0))
