@@ -28,6 +28,7 @@ import numpy as np
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
 from sebp_jax.models.inputs import token_inputs
+from sebp_jax.models.rms_norm import RMSNorm
 
 __all__ = ["PROJECTIONS", "RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
            "rope_inverse_frequencies", "IGNORE_INDEX"]
@@ -170,22 +171,6 @@ def _rotate_half(x):
   return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-class LlamaRMSNorm(nn.Module):
-  """RMSNorm normalising in float32 and scaling in the input dtype, in HF's order."""
-
-  eps: float
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    dtype = self.dtype or x.dtype
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-    return scale.astype(dtype) * h.astype(dtype)
-
-
 class _LlamaModule(nn.Module):
   """Shared attributes: the config, the computation dtype and the parameter dtype."""
 
@@ -219,8 +204,8 @@ class _LlamaModule(nn.Module):
       return self.einsum("...D,DF->...F", (in_features, features), name, use_bias)
     return self.dense(features, name, use_bias)
 
-  def rms_norm(self, name: str | None = None) -> LlamaRMSNorm:
-    return LlamaRMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
+  def rms_norm(self, name: str | None = None) -> RMSNorm:
+    return RMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
 
 
 class LlamaAttention(_LlamaModule):
