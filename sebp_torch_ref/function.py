@@ -200,8 +200,6 @@ def _check_args(x, weight, bias, policy, impl, name) -> None:
             raise TypeError(f"sebp_linear: `{arg}` dtype {t.dtype} differs from `x` dtype {x.dtype}.")
 
 
-# The Triton launches and the autograd.Function run eagerly: a graph break under torch.compile.
-@torch.compiler.disable
 def sebp_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
