@@ -8,7 +8,9 @@ XLA's own fusions. Beside ``jax-bound`` (every linear backward free), the famili
 variant say which kernels take the time that separates it from the bound; the difference between
 ``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
 
-Usage (writes ``profile_llama_b1_piqa.json`` and ``.md`` under ``--out-dir``)::
+Usage (writes ``profile_llama_b1_piqa.json`` and ``.md`` under ``--out-dir``; with ``--hlo``
+also each variant's optimized HLO, ``hlo_llama_b1_piqa_<variant>.txt.gz``, where the fusions of
+the kernel table are found by name)::
 
     python -m benchmarks.profile_step --model llama --batch 1 --workload piqa --out-dir $OUT \\
         --variants jax-dense jax-sebp-pallas jax-bound
@@ -163,14 +165,17 @@ def traced_events(run: Callable[[], Any]) -> list[dict]:
 
 
 def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
-                    batches: Sequence[dict], repeats: int = 3) -> dict:
+                    batches: Sequence[dict], repeats: int = 3,
+                    hlo_path: pathlib.Path | None = None) -> dict:
   """Wall time and per-kernel GPU time of ``variant``'s loss-and-gradients program.
 
   ``batches``: device batches; the first compiles and warms up, the rest are timed ``repeats``
   times each (wall clock, median) and then traced once each. Returns ``{"variant", "wall_ms", "busy_ms",
   "launches", "families": {family: ms}, "kernels": [[name, family, ms, launches], ...]}``, all per
   call. Raises ``RuntimeError`` if the trace holds no GPU kernel (no GPU, or a profiler without
-  CUPTI).
+  CUPTI). With ``hlo_path``, first writes the program's optimized HLO there, gzipped: the fusions
+  the kernel table names (``input_add_reduce_fusion_14``) are its instructions (``%input_add_
+  reduce_fusion.14``), with the ops they fuse and the model code each op came from.
   """
   import jax
 
@@ -180,6 +185,9 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   grad_fn = jax.jit(value_and_grad)
   warm, timed = batches[0], batches[1:]
   jax.block_until_ready(grad_fn(params, warm))
+  if hlo_path is not None:  # the same program: the compile is a cache hit
+    hlo = grad_fn.lower(params, warm).compile().as_text()
+    hlo_path.write_bytes(gzip.compress(hlo.encode()))
   walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
   events = gpu_kernel_events(traced_events(
     lambda: [jax.block_until_ready(grad_fn(params, batch)) for batch in timed]))
@@ -249,19 +257,22 @@ def _main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--variants", nargs="+", choices=sorted(by_name),
                       default=["jax-dense", "jax-sebp-pallas", "jax-bound"])
   parser.add_argument("--steps", type=int, default=3, help="traced calls (distinct batches)")
+  parser.add_argument("--hlo", action="store_true",
+                      help="also write each variant's optimized HLO, hlo_<stem>_<variant>.txt.gz")
   args = parser.parse_args(argv)
   if args.steps < 1:
     parser.error("--steps must be >= 1")
   spec, module, params, batches, header, stem = prepared_workload(
     parser, args, Settings(warmup=1, steps=args.steps))
   result = {**header, "traced_calls": args.steps, "variants": []}
-  stem = f"profile_{stem}"
   args.out_dir.mkdir(parents=True, exist_ok=True)
   for name in args.variants:
-    result["variants"].append(profile_variant(spec, by_name[name], params, module, batches))
+    hlo_path = args.out_dir / f"hlo_{stem}_{name}.txt.gz" if args.hlo else None
+    result["variants"].append(profile_variant(spec, by_name[name], params, module, batches,
+                                              hlo_path=hlo_path))
     # After every variant: a run cut short keeps what it profiled.
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{stem}.md").write_text(markdown_report(result))
+    (args.out_dir / f"profile_{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"profile_{stem}.md").write_text(markdown_report(result))
     print(f"{name}: wall {result['variants'][-1]['wall_ms']:.2f} ms, busy "
           f"{result['variants'][-1]['busy_ms']:.2f} ms", flush=True)
 

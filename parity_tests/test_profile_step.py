@@ -9,6 +9,7 @@ where it must stop saying that the trace has no GPU kernels.
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -127,4 +128,8 @@ def test_profile_without_a_gpu_stops_and_says_so(tmp_path):
     pytest.skip("a GPU is present: the end-to-end GPU test runs instead")
   with pytest.raises(RuntimeError, match="no GPU kernel events; profile on a GPU"):
     profile_step._main(["--model", "bert", "--tiny", "--batch", "2", "--workload", "trec",
-                        "--steps", "1", "--out-dir", str(tmp_path), "--variants", "jax-dense"])
+                        "--steps", "1", "--out-dir", str(tmp_path), "--variants", "jax-dense",
+                        "--hlo"])
+  # The HLO is written before the trace: the program's own, with the model's op names in it.
+  hlo = gzip.decompress((tmp_path / "hlo_bert_tiny_b2_trec_jax-dense.txt.gz").read_bytes()).decode()
+  assert hlo.startswith("HloModule") and "ENTRY" in hlo and "BertForSequenceClassification" in hlo
