@@ -42,8 +42,12 @@ def _inverse_rms(x, eps):
   return jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
 
 
+def _normalised(x, inverse_rms, dtype):
+  return (x.astype(jnp.float32) * inverse_rms).astype(dtype)
+
+
 def _scaled(x, inverse_rms, scale, dtype):
-  normalised = (x.astype(jnp.float32) * inverse_rms).astype(dtype)
+  normalised = _normalised(x, inverse_rms, dtype)
   return scale.astype(dtype) * normalised
 
 
@@ -63,8 +67,8 @@ def _rms_norm_bwd(eps, dtype, residuals, dy):
   dx = inverse_rms * (dh - h * jnp.mean(dh * h, axis=-1, keepdims=True))
   # The scale gradient, from operands of its own (see the module docstring), summed in float32.
   dy_apart, x_apart = jax.lax.optimization_barrier((dy, x))
-  normalised = (x_apart.astype(jnp.float32) * inverse_rms).astype(dtype)
   rows = tuple(range(dy.ndim - 1))
+  normalised = _normalised(x_apart, inverse_rms, dtype)
   dscale = jnp.sum((dy_apart * normalised).astype(jnp.float32), axis=rows)
   return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
