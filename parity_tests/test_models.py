@@ -20,6 +20,7 @@ import torch
 
 from parity_tests.tolerances import assert_close
 from sebp_jax.models import attention
+from sebp_jax.models import bert as bert_module
 from sebp_jax.models.bert import BertConfig, BertForSequenceClassification, BertModel
 from sebp_jax.models.hf_import import build_module, from_hf, from_pretrained
 from sebp_jax.models.llama import (LlamaConfig, LlamaForCausalLM, RopeScaling, causal_lm_loss,
@@ -81,6 +82,35 @@ def test_bert_matches_hf(model_cls, left):
   ids, mask = padded_batch(1, left=left)
   assert_matches_hf(module.apply(params, ids, mask), torch_forward(hf, ids, mask), mask,
                     f"{model_cls} output")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bert_gelu_matches_torch_gelu_and_its_gradient(dtype):
+  """BERT's "gelu" (the erf form in float32) against HF's own ``torch.nn.functional.gelu`` and its
+  autograd at odd values (±0, tiny, large of both signs, NaN), and at ±inf against the ``erfc``
+  form it replaced (``nn.gelu(approximate=False)``), where torch's CPU kernel gives NaN for +inf."""
+  rng = np.random.default_rng(0)
+  special = [0.0, -0.0, 1e-30, -1e-30, 5.5, -5.5, 40.0, -40.0, 1e30, -1e30, np.nan]
+  x32 = np.concatenate([special, 3 * rng.standard_normal(500), [np.inf, -np.inf]]).astype(np.float32)
+  dy32 = rng.standard_normal(x32.shape).astype(np.float32)
+  x, dy = jnp.asarray(x32, dtype), jnp.asarray(dy32, dtype)
+  y, dx = _value_and_vjp(bert_module._ACTIVATIONS["gelu"], x, dy)
+  assert y.dtype == dx.dtype == jnp.dtype(dtype)
+  tx = torch.tensor(np.asarray(x, np.float32)).to(getattr(torch, dtype)).requires_grad_()
+  ty = torch.nn.functional.gelu(tx)
+  ty.backward(torch.tensor(np.asarray(dy, np.float32)).to(getattr(torch, dtype)))
+  finite_or_nan = ~np.isinf(x32)
+  assert_close(y[finite_or_nan], ty.detach().float().numpy()[finite_or_nan], dtype, what=f"gelu({dtype})")
+  assert_close(dx[finite_or_nan], tx.grad.float().numpy()[finite_or_nan], dtype,
+               what=f"d gelu({dtype})")
+  y_erfc, dx_erfc = _value_and_vjp(lambda v: jax.nn.gelu(v, approximate=False), x, dy)
+  assert_close(y[~finite_or_nan], y_erfc[~finite_or_nan], dtype, what=f"gelu({dtype}) at ±inf")
+  assert_close(dx[~finite_or_nan], dx_erfc[~finite_or_nan], dtype, what=f"d gelu({dtype}) at ±inf")
+
+
+def _value_and_vjp(f, x, dy):
+  y, vjp = jax.vjp(f, x)
+  return y, vjp(dy)[0]
 
 
 def test_bert_token_types_and_no_mask():

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
@@ -25,8 +26,27 @@ from sebp_jax.models.inputs import token_inputs
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification"]
 
+def _gelu_erf(x: jax.Array) -> jax.Array:
+  """The exact GELU as HF's torch ``gelu`` computes it: ``0.5 x (1 + erf(x / √2))`` in float32.
+
+  ``nn.gelu(x, approximate=False)`` is the same function written with ``erfc``, which XLA:GPU
+  expands to an ``exp`` and two divides per element; in BERT-base's FFN that made it the step's
+  largest fusion (1.94 ms of an H100 step, ``benchmarks/NOTES.md`` "v15"), where ``erf`` is one
+  clamped polynomial. Half-precision inputs are computed in float32 and rounded once, as torch
+  does (its ``opmath``), so the output matches HF's to one rounding.
+
+  >>> _gelu_erf(jnp.array([-10.0, 0.0, 10.0]))
+  Array([-0.,  0., 10.], dtype=float32)
+  >>> _gelu_erf(jnp.ones((2, 3), jnp.bfloat16)).dtype
+  dtype(bfloat16)
+  """
+  compute = jnp.promote_types(x.dtype, jnp.float32)
+  xc = x.astype(compute)
+  return (0.5 * xc * (1 + jax.lax.erf(xc * np.sqrt(0.5).astype(compute)))).astype(x.dtype)
+
+
 _ACTIVATIONS = {
-  "gelu": lambda x: nn.gelu(x, approximate=False),  # HF's "gelu" is the exact erf form
+  "gelu": _gelu_erf,  # HF's "gelu" is the exact erf form
   "gelu_new": lambda x: nn.gelu(x, approximate=True),
   "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
   "relu": nn.relu,
