@@ -1,0 +1,222 @@
+"""Host time per layer of the torch reference's backward, against GPU time per layer.
+
+A BERT-base-shaped stack of linear layers (per block: q, k, v, attention out ``768 -> 768``, FFN up
+``768 -> 3072``, FFN down ``3072 -> 768``; ``--blocks`` blocks), batch ``--batch`` x ``--seq``
+tokens right-padded to ``--real`` real tokens (``dY`` non-zero on the real rows only), run
+forward and backward ``--steps`` times per path:
+
+* ``nn.Linear``: torch's own layer (cuBLAS, autograd's C++ backward);
+* ``dense``: :class:`~sebp_torch_ref.SEBPLinear` with ``impl="dense"`` (the reference's Python
+  autograd Function around the same two GEMMs: its glue alone);
+* ``triton``: ``impl="triton"``, every layer selecting its rows from ``dY``;
+* ``triton+plan``: ``impl="triton"`` under :func:`~sebp_torch_ref.row_plan` of the padding mask.
+
+Per path: **host µs per layer** of the forward and of the backward, ``perf_counter`` around the
+calls that issue the work, with no synchronisation inside (the host's cost of issuing the
+launches); and **GPU µs per layer** of the backward, CUDA events around a backward issued while
+the GPU is held by a sleep kernel, so that the launches queue up first and the events time the
+kernels back to back, without the host's gaps. Where host µs exceed GPU µs, an eager step waits on
+Python, not on the GPU. ``--profile`` writes a cProfile top-20 (by own time) of the Triton path's
+host work: the layers' :func:`sebp_torch_ref.kernels.sebp_grads` calls replayed on the main
+thread (the autograd engine runs CUDA backward functions on its own thread, which cProfile does
+not see).
+
+GPU (BERT-base, 3 % real tokens)::
+
+    python -m benchmarks.host_overhead_torch --out benchmarks/results/host_overhead_torch.json \\
+        --profile benchmarks/results/host_overhead_torch_profile.txt
+
+CPU check at tiny sizes: ``TRITON_INTERPRET=1 python -m benchmarks.host_overhead_torch --tiny
+--out /tmp/h.json`` (host times only; they measure the interpreter, not launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pathlib
+import pstats
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from sebp_torch_ref import RowPolicy, SEBPLinear, row_plan
+
+__all__ = ["PATHS", "bert_stack", "measure"]
+
+PATHS = ("nn.Linear", "dense", "triton", "triton+plan")
+BERT_BLOCK = ((768, 768), (768, 768), (768, 768), (768, 768), (768, 3072), (3072, 768))  # (in, out)
+TINY_BLOCK = ((48, 48), (48, 96), (96, 48))
+_SLEEP_CYCLES = 400_000_000  # ~0.2 s at 2 GHz: longer than any stack's host time
+
+
+def bert_stack(path: str, blocks: int, layer_shapes, device, dtype) -> nn.Sequential:
+    """``blocks`` copies of ``layer_shapes`` as one chain of linear layers on ``device``."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        for k, n in layer_shapes:
+            linear = nn.Linear(k, n, device=device, dtype=dtype)
+            if path != "nn.Linear":
+                impl = "dense" if path == "dense" else "triton"
+                linear = SEBPLinear.from_linear(linear, RowPolicy(), impl)
+            layers.append(linear)
+    return nn.Sequential(*layers)
+
+
+def _padded_batch(batch: int, seq: int, real: float, width: int, device, dtype):
+    """``(x, mask)``: input ``(batch, seq, width)`` and the right-padding mask, about ``real`` of
+    the tokens real (each sequence's length drawn from ``[real/2, 2 real] * seq``)."""
+    gen = torch.Generator().manual_seed(0)
+    mean = max(1, round(real * seq))
+    lengths = torch.randint(max(1, mean // 2), min(seq, 2 * mean) + 1, (batch,), generator=gen)
+    mask = torch.arange(seq)[None, :] < lengths[:, None]
+    x = torch.randn(batch, seq, width, generator=gen).to(device, dtype)
+    return x, mask.to(device)
+
+
+def _hold_gpu() -> None:
+    """Holds the GPU with a sleep kernel, so that the launches issued next queue up behind it
+    (``torch.cuda._sleep`` is private; without it, GPU times include the host's gaps)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(_SLEEP_CYCLES)
+
+
+def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, steps: int) -> dict:
+    """Host µs per layer (forward, backward) and GPU µs per layer (backward) of ``steps`` steps."""
+    cuda = x.device.type == "cuda"
+    layers = len(stack)
+    params = list(stack.parameters())
+    dy_mask = mask[..., None].to(x.dtype)
+    fwd_host, bwd_host, bwd_gpu = [], [], []
+    for step in range(steps + 1):  # the first step compiles and warms the allocator
+        leaf = x.detach().requires_grad_()
+        plan = row_plan(mask) if path == "triton+plan" else contextlib.nullcontext()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with plan:
+            y = stack(leaf)
+        t1 = time.perf_counter()
+        dy = torch.randn_like(y) * dy_mask
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _hold_gpu()
+            start.record()
+        t2 = time.perf_counter()
+        y.backward(dy)
+        t3 = time.perf_counter()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        if step:
+            fwd_host.append((t1 - t0) / layers * 1e6)
+            bwd_host.append((t3 - t2) / layers * 1e6)
+            if cuda:
+                bwd_gpu.append(start.elapsed_time(end) / layers * 1e3)
+        for p in params:
+            p.grad = None
+    return {
+        "path": path, "layers": layers,
+        "fwd_host_us": statistics.median(fwd_host), "bwd_host_us": statistics.median(bwd_host),
+        "bwd_gpu_us": statistics.median(bwd_gpu) if bwd_gpu else None,
+    }
+
+
+def profile_triton_host(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, calls: int) -> str:
+    """cProfile top-20 (own time) of the Triton path's per-layer host work: each layer's
+    ``sebp_grads`` call, on the main thread, with that layer's ``dY``, ``X`` and ``W``."""
+    from sebp_torch_ref import kernels
+
+    operands = []
+    h = x
+    with torch.no_grad():
+        for layer in stack:
+            y = layer(h)
+            dy = torch.randn_like(y) * mask[..., None].to(y.dtype)
+            operands.append((dy.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), layer.weight, layer.bias.dtype))
+            h = y
+    for dy, xx, w, bias_dtype in operands:  # compile and warm up
+        kernels.sebp_grads(dy, xx, w, RowPolicy(), bias_dtype)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        for dy, xx, w, bias_dtype in operands:
+            kernels.sebp_grads(dy, xx, w, RowPolicy(), bias_dtype)
+    profiler.disable()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    out.write(f"sebp_grads host work: {calls} x {len(operands)} layer calls\n")
+    stats.sort_stats("tottime").print_stats(20)
+    return out.getvalue()
+
+
+def markdown_table(result: dict) -> str:
+    lines = [
+        f"Host vs GPU time per layer, {result['device']}, {result['dtype']}, {result['layers']} layers, "
+        f"batch {result['batch']} x {result['seq']}, {100 * result['real_fraction']:.1f} % real tokens, "
+        f"torch {result['torch']}, triton {result['triton']}",
+        "",
+        "| path | fwd host µs/layer | bwd host µs/layer | bwd GPU µs/layer | bwd host / GPU |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        gpu = r["bwd_gpu_us"]
+        ratio = f"{r['bwd_host_us'] / gpu:.2f}" if gpu else "n/a"
+        gpu_text = f"{gpu:.1f}" if gpu is not None else "n/a"
+        lines.append(f"| {r['path']} | {r['fwd_host_us']:.1f} | {r['bwd_host_us']:.1f} | {gpu_text} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    import triton
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON file (a .md beside it)")
+    parser.add_argument("--profile", type=pathlib.Path, help="write the cProfile top-20 here")
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--real", type=float, default=0.03, help="mean fraction of real tokens")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--tiny", action="store_true", help="CPU check: 1 tiny block, batch 2 x 16, 2 steps")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shapes = BERT_BLOCK
+    if args.tiny:
+        shapes, args.blocks, args.batch, args.seq, args.steps = TINY_BLOCK, 1, 2, 16, 2
+    x, mask = _padded_batch(args.batch, args.seq, args.real, shapes[0][0], device, dtype)
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__, "triton": triton.__version__, "batch": args.batch, "seq": args.seq,
+        "real_fraction": float(mask.float().mean()), "layers": args.blocks * len(shapes), "rows": [],
+    }
+    for path in args.paths:
+        stack = bert_stack(path, args.blocks, shapes, device, dtype)
+        result["rows"].append(measure(path, stack, x, mask, args.steps))
+        if path == "triton" and args.profile is not None:
+            args.profile.parent.mkdir(parents=True, exist_ok=True)
+            args.profile.write_text(profile_triton_host(stack, x, mask, calls=1 if args.tiny else 5))
+        del stack
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_table(result)
+    args.out.with_suffix(".md").write_text(table)
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The torch reference on one GPU in at most 9 minutes (issue 19): its GPU tests, host vs GPU time
+# per layer (host_overhead_torch), BERT-base b32 with torch-dense, torch-sebp-plan (row plan of
+# the attention mask) and torch-bound, each eager and replayed from CUDA graphs (no host launch
+# overhead), LLaMA-3.2-3B b1 eager with torch-dense, torch-sebp-plan and torch-bound on piqa and
+# full_length, and a per-kernel-family profile of the eager BERT step. (The one-layer benchmark,
+# python -m benchmarks.layer_torch, is left out for time.)
+#
+#   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh    # results under $OUT/torch
+#
+# Every stage has its own time limit (together 485 s), so a slow or failing stage costs only its
+# share. Each stage writes its own files naming the card and library versions, and appends what
+# it printed to $OUT/torch/summary_torch.md, the one file that carries every number.
+set -u
+out=${OUT:-benchmarks/results}/torch
+mkdir -p "$out"
+py=${PYTHON:-python}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+summary="$out/summary_torch.md"
+{
+  echo "# torch reference on one GPU ($(date -u +%F), git $(git rev-parse --short HEAD 2>/dev/null))"
+  echo '```'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  echo '```'
+} > "$summary" 2>&1
+cat "$summary"
+# stage LIMIT TITLE CMD...: runs CMD under LIMIT seconds; its output goes to the terminal and,
+# fenced under TITLE, to the summary (the last 60 lines).
+stage() {
+  local limit=$1 title=$2; shift 2
+  echo "== $title (limit ${limit}s)"
+  SECONDS=0
+  timeout "$limit" "$@" > "$out/stage.log" 2>&1
+  local rc=$?
+  cat "$out/stage.log"
+  { printf '\n## %s (rc %s after %ss, limit %ss)\n\n```\n' "$title" "$rc" "$SECONDS" "$limit"
+    tail -60 "$out/stage.log"; echo '```'; } >> "$summary"
+  echo "== rc $rc after ${SECONDS}s"
+}
+# append FILE...: markdown files written by a stage, into the summary.
+append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
+
+stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
+  parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py -m gpu -q -x -p no:cacheprovider \
+  --junitxml="$out/gpu_tests_torch.xml"
+stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+  --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
+append "$out/host_overhead_torch_profile.txt"
+stage 200 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
+  --steps 8 --time-budget 190 --variants torch-dense torch-sebp-plan torch-bound torch-dense-graphed \
+  torch-sebp-plan-graphed torch-bound-graphed
+append "$out/bert_torch.md"
+stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
+  --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound
+append "$out/llama_b1_torch.md"
+stage 30 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
+  --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp-plan
+append "$out/profile_torch_bert_b32_glue_sst2.md"
+stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
+  "$out/bert_torch.json" "$out/llama_b1_torch.json"
+rm -f "$out/stage.log"

@@ -1,0 +1,192 @@
+"""Check and time Pallas tile configurations of the SEBP backward on one GPU.
+
+For each layer shape and active fraction: verify every configuration against the dense backward
+on the masked gradient, then time it beside the dense XLA backward and the ideal (dense matmuls on
+rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``.
+
+    python -m benchmarks.tune_blocks --shapes bert_up bert_down --out tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import profile_step
+from benchmarks.layer import ideal_backward, sebp_backward
+from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
+from benchmarks.timing import device_time_ms, environment
+from sebp_jax.backends import pallas as pallas_backend
+from sebp_jax.backends import xla as xla_backend
+from sebp_jax.policy import RowPolicy, keep_mask
+
+_Config = pallas_backend.BlockConfig
+CANDIDATES = {
+  "default": _Config(),
+  # Wider dX tiles: fewer passes over dyc per column block, more work per program.
+  "dx128": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8),
+  "dx128x256": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8),
+  # Wider dW tiles, or longer steps over rows.
+  "dw128x256": _Config(dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
+  "dw_m128": _Config(dw_m=128, dw_k=128, dw_n=128, dw_warps=8),
+  "stages4": _Config(dx_stages=4, dw_stages=4),
+  "big": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64),
+  # Every row kept (benchmarks.gemm_floor; NOTES "v9"): the wide tiles with deeper pipelines or
+  # shorter steps, dW with 4 warps, and dW's 128 x 256 tile transposed.
+  "dx128_s4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=4),
+  "dx128x256_n32_s4": _Config(dx_m=128, dx_k=256, dx_n=32, dx_warps=8, dx_stages=4),
+  "dw_w4": _Config(dw_warps=4),
+  "dw128x256_m32_s4": _Config(dw_k=128, dw_n=256, dw_m=32, dw_warps=8, dw_stages=4),
+  "dw256x128": _Config(dw_k=256, dw_n=128, dw_m=64, dw_warps=8),
+  # Few kept rows: each dW program loads one or two row blocks and stores its tile, so the time
+  # is latency, not math (a LLaMA-b1 up projection's dW at 0 kept rows takes as long as at 81,
+  # benchmarks/NOTES.md "v13"): smaller pipelines, so that more programs share an SM.
+  "dw_m32_s2": _Config(dw_m=32, dw_stages=2),
+  "dw_m32_s2_w4": _Config(dw_m=32, dw_stages=2, dw_warps=4),
+  # ... or persistent dW programs (2 or 3 per SM of a 132-SM H100 or H200, as their pipelines
+  # fit), each looping over tiles: a tile's stores drain while the program loads the next
+  # tile's rows, instead of a new program's launch and first loads (benchmarks/NOTES.md, "v13":
+  # 1,536 programs store LLaMA b1 up's 50 MB dW at 1.8 TB/s).
+  "dw_p264": _Config(dw_programs=264),
+  "dw_p396_s2_w4": _Config(dw_programs=396, dw_stages=2, dw_warps=4),
+  # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
+  # (LLaMA-3B at batch 1, ~80 kept rows: 48 dX programs on 132 SMs with the default tiles, 96
+  # with dx_k64, 192 with dx_k32); shorter row blocks waste less of the last one.
+  "dx_k64": _Config(dx_k=64),
+  "dx_k32": _Config(dx_k=32),
+  "dx_m32_k64": _Config(dx_m=32, dx_k=64),
+  "dx_m32_k32": _Config(dx_m=32, dx_k=32),
+  "dx_k32_n128": _Config(dx_k=32, dx_n=128),
+  # ... or one row block holds them all, so W streams from DRAM once, in narrow column blocks.
+  "dx_m128_k32": _Config(dx_m=128, dx_k=32, dx_warps=8),
+  "dx_m128_k64": _Config(dx_m=128, dx_k=64, dx_warps=8),
+  "dx_m128_k32_n128": _Config(dx_m=128, dx_k=32, dx_n=128, dx_warps=8),
+  # ... or longer steps over N with more of them in flight: more bytes per program in the air.
+  "dx_n128": _Config(dx_n=128),
+  "dx_n128_s4": _Config(dx_n=128, dx_stages=4),
+  "dx_k64_n128": _Config(dx_k=64, dx_n=128),
+  "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
+  # Few kept rows: the count-adaptive dX split, at most 2 / 4 / 8 parts per tile, as many as fill
+  # the persistent launch (`with_dx_programs`: two programs per SM where two tiles' pipelines fit
+  # in its shared memory, 264 on a 132-SM H100 or H200 for these tiles; one per SM for the
+  # `wide_short` class's four 128-column steps), and one program per SM for comparison; the split
+  # on `wide_short`'s tiles, and on 32-row tiles (less of a last row block wasted on padding).
+  "dx_split2": _Config(dx_split=2),
+  "dx_split4": _Config(dx_split=4),
+  "dx_split8": _Config(dx_split=8),
+  "dx_split8_p132": _Config(dx_split=8, dx_programs=132),
+  "dx_n128_s4_split4": _Config(dx_n=128, dx_stages=4, dx_split=4),
+  "dx_m32_split4": _Config(dx_m=32, dx_split=4),
+  # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
+  # its N loop split so that ~24 tiles become ~200 items (NOTES "v13": at 2 % the dX time is
+  # the GEMM programs streaming W, ~41 GB/s each).
+  "dx_m128_split8": _Config(dx_m=128, dx_warps=8, dx_split=8),
+  "dx_m128_n128_s3_split8": _Config(dx_m=128, dx_n=128, dx_stages=3, dx_warps=8, dx_split=8),
+  # No gather: the GEMMs read the kept rows in place through the permutation (as the vocabulary
+  # class does). At a few dozen kept rows the gather is a launch and ~8 µs of a ~0.1 ms layer
+  # (benchmarks/NOTES.md, "v8"), and the GEMMs stream W, not the rows.
+  "in_place": _Config(compact=False),
+  "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
+}
+_BASELINES = ("dense", "ideal", "xla", "selection")
+
+_DENSE_BACKWARD = sebp_backward("dense")
+
+
+def _selection(dy):
+  return pallas_backend.partition_pallas(keep_mask(dy, RowPolicy()))
+
+
+def _family_times(fn, input_sets) -> dict[str, float]:
+  """GPU ms per call of ``fn`` by kernel family (``profile_step``'s), over ``input_sets``."""
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*input_sets[0]))
+  kernels = profile_step.traced_kernel_times(
+    lambda: [jax.block_until_ready(jitted(*args)) for args in input_sets], len(input_sets))
+  families = profile_step.family_times(kernels)
+  return {"busy": sum(families.values()), **families}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="+", default=["bert_up", "bert_down"])
+  parser.add_argument("--fractions", nargs="+", type=float, default=[0.05, 0.2, 0.5])
+  parser.add_argument("--configs", nargs="+", default=list(CANDIDATES))
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--reps", type=int, default=8)
+  parser.add_argument("--baselines", nargs="*", default=list(_BASELINES), choices=_BASELINES,
+                      help="reference timings per shape and fraction (default: all)")
+  parser.add_argument("--out", default=None, help="JSON file, rewritten after every shape and "
+                      "fraction (so a run cut short keeps what it measured)")
+  parser.add_argument("--kernels", action="store_true",
+                      help="also time gather, dX and dW alone on a ready partition")
+  parser.add_argument("--families", action="store_true",
+                      help="also trace each configuration's backward and report GPU time per "
+                           "kernel family (partition, gather, dX, dW, other); GPU only")
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  rows = []
+  for shape_name in args.shapes:
+    shape = LAYER_SHAPES[shape_name]
+    for fraction in args.fractions:
+      sets = [padded_gradient(shape, fraction, dtype, seed) for seed in range(args.reps)]
+      x, w, dy, count = sets[0]
+      expected = _DENSE_BACKWARD(x, w, dy)
+      keep = np.asarray(jnp.max(jnp.abs(dy), axis=1) > 0)
+      ideal_sets = [(s[0][keep], s[1], s[2][keep]) for s in sets]
+      base = {"shape": shape_name, "M": shape.rows, "K": shape.in_features,
+              "N": shape.out_features, "active_fraction": count / shape.rows}
+      baselines = {
+        "dense": lambda: device_time_ms(_DENSE_BACKWARD, [s[:3] for s in sets]),
+        "ideal": lambda: device_time_ms(ideal_backward, ideal_sets),
+        "xla": lambda: device_time_ms(
+          functools.partial(xla_backend.backward, policy=RowPolicy()), [s[:3] for s in sets]),
+        "selection": lambda: device_time_ms(_selection, [s[2:3] for s in sets]),
+      }
+      timings = {name: baselines[name]() for name in args.baselines}
+      families = {}
+      for name in args.configs:
+        # Vocabulary-wide layers are read in place, as block_config has them in a model; so are
+        # the in-place candidates' on every shape.
+        config = dataclasses.replace(CANDIDATES[name], compact=CANDIDATES[name].compact and
+                                     pallas_backend.block_config(shape.rows, shape.in_features,
+                                                                 shape.out_features, dtype).compact)
+        config = pallas_backend.sized_for_gpu(config, shape.in_features, shape.out_features,
+                                              dtype)
+        fn = lambda x, w, dy, config=config: pallas_backend.backward(
+          x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
+        got = jax.jit(fn)(x, w, dy)
+        errors = [float(jnp.linalg.norm((g - e).astype(jnp.float32))
+                        / jnp.linalg.norm(e.astype(jnp.float32))) for g, e in zip(got, expected)]
+        timings[name] = device_time_ms(fn, [s[:3] for s in sets])
+        if args.kernels:
+          timings[name + "/kernels"] = device_time_ms(
+            functools.partial(pallas_backend.sparse_backward, config=config),
+            [(*s[:3], *_selection(s[2])) for s in sets])
+        if args.families:
+          families[name] = _family_times(fn, [s[:3] for s in sets])
+        if max(errors) > 2e-2:
+          print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
+        rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
+                     "ms": timings[name], "kernels_ms": timings.get(name + "/kernels"),
+                     "families_ms": families.get(name),
+                     "block_config": dataclasses.asdict(config)})
+      for name in args.baselines:
+        rows.append({**base, "config": name, "ms": timings[name]})
+      print(f"{shape_name} {count / shape.rows:5.1%} " + " ".join(
+        f"{k}={v:.3f}" for k, v in timings.items()), flush=True)
+      for name, times in families.items():
+        print(f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in times.items()), flush=True)
+      if args.out:
+        with open(args.out, "w") as f:
+          json.dump({**environment(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

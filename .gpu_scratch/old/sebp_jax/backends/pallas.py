@@ -1,0 +1,783 @@
+"""SEBP backward as Pallas kernels lowered through Triton (GPU), or run by the Pallas interpreter.
+
+The plan (DESIGN §5, v5: compact first):
+
+* **selection** (XLA, memory-bound): the keep mask (:mod:`sebp_jax.policy`), or a
+  :class:`~sebp_jax.plan.RowPlan` handed in once per step;
+* **partition kernel**: the active-first permutation ``perm`` of all rows and the runtime
+  ``count``, one program per chunk of rows (each sums the flags before its chunk itself, so no
+  second launch carries offsets between programs);
+* **gather kernel**: copies the kept rows of ``x`` and ``dy`` into contiguous buffers ``xc`` and
+  ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). Programs past ``count`` copy
+  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask.
+  Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
+  ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
+  so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
+* **dX kernel**: a GEMM over the compacted prefix. Each ``(dx_m, dx_k)`` tile with kept rows
+  multiplies contiguous rows of ``dyc`` by ``kernelᵀ`` and stores to rows ``perm[tile]`` of
+  ``dx``; a tile past ``count`` stores zeros there, reading nothing. Every row of ``dx`` is
+  written exactly once. The launch is persistent: ``dx_programs`` programs (sized for the GPU)
+  loop over the live tiles, then over the zero tiles (sent to the programs the GEMM leaves idle
+  where those can absorb them), so no program is launched just to store one zero tile. With
+  few kept rows those tiles are fewer than the programs, each streaming all of ``N``; with
+  ``dx_split`` each live tile's ``N`` loop is shared by ``parts`` programs, ``parts`` chosen from
+  ``count`` at run time to occupy the launch, and a reduction kernel sums their float32 partial
+  tiles into ``dx`` in place (``input_output_aliases``);
+* **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
+  count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
+  programs share a tile's rows and XLA sums their float32 partial tiles; ``dw_programs`` (opt-in)
+  makes it persistent, each program looping over tiles;
+* **crossover**: above a measured fraction of kept rows ``lax.cond`` runs the dense backward.
+
+Both GEMMs walk their tiles in grouped order (``dx_group`` / ``dw_group`` row blocks at a time,
+every column block of a group before the next group), so the tiles that run at once share their
+operand rows in L2 instead of each streaming them from memory.
+
+Every Pallas detail of the project lives in this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, DX_NK_DIMS, dense_backward
+from sebp_jax.plan import RowPlan
+from sebp_jax.policy import RowPolicy, keep_mask
+
+__all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
+           "backward",
+           "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Tile sizes and launch parameters of the kernels.
+
+  ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
+  of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
+  of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
+  partial tiles summed afterwards. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
+  the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
+  GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
+  chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
+  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
+  instead.
+
+  ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
+  ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
+  programs one SM holds). ``dw_programs``: likewise for each part of the dW launch, looping over
+  its tiles (``0``, the default everywhere: one program per tile).
+
+  The dX split (off at ``dx_split == 1``): with few kept rows only ``cdiv(count, dx_m) * K /
+  dx_k`` dX tiles have work, fewer than the programs, and each streams its whole loop over ``N``
+  alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48 tiles for 132 SMs). With ``dx_split > 1``
+  each live tile's ``N`` loop is shared by ``parts = clamp(dx_programs // live tiles, 1,
+  dx_split)`` programs, chosen at run time from ``count``; a small reduction kernel sums their
+  float32 partial tiles. Past ``dx_programs // 2`` live tiles ``parts`` is 1 and the split costs
+  only that launch.
+  """
+
+  dx_m: int = 64
+  dx_k: int = 128
+  dx_n: int = 64
+  dx_warps: int = 4
+  dx_stages: int = 3
+  dx_group: int = 8
+  dw_m: int = 64
+  dw_k: int = 128
+  dw_n: int = 128
+  dw_warps: int = 8
+  dw_stages: int = 3
+  dw_group: int = 8
+  dw_split: int = 1
+  dx_split: int = 1
+  dx_programs: int = 0
+  dw_programs: int = 0
+  compact: bool = True
+  crossover: float = 0.4
+
+
+# Measured tile choices, keyed by (GPU generation, dtype width in bytes, shape class). Tuned with
+# benchmarks/tune_blocks.py on an H100 (results/v5_h100/tune_h100_v5.json; benchmarks/NOTES.md, "v5").
+# "wide": at least _WIDE_ROWS rows and a weight of at least _WIDE_WEIGHT entries (LLaMA-3B's
+# 3072 x 8192 MLP at batch 8), where 128 x 256 tiles in both GEMMs run 1.25x (23 % kept rows) to
+# 1.44x (all rows) faster than the default. With fewer rows the kept ones are few (LLaMA at batch
+# 1: ~80 of 4096), and the wide dX tiles leave most SMs idle: the model step was 11 % slower
+# with them than with the default tiles (results/v5_h100/llama_b1_v4_vs_v5.md). BERT-base's
+# 768 x 3072 layers are faster on the default tiles below ~20 % kept rows.
+_BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
+  ("hopper", 2, "narrow"): BlockConfig(),
+  ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
+                                     dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
+  # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
+  # give a few dozen dX tiles, each streaming all of N alone; steps of 128 columns four deep keep
+  # more of W in flight per program: MLP up 0.154 -> 0.120 ms at 2 %, 0.170 -> 0.132 at 5 %,
+  # 0.241 -> 0.233 at 21 %; q/o 0.089 -> 0.069 at 2 % but +10 % at 21 %
+  # (results/v8_h100/tune_v8_dx_h100.json, whole backward with selection). The MLP down
+  # projection (N = 3072 < K = 8192) lost with these steps while every dead tile had its own
+  # program (dX +18 % at 2 %, results/v10_h100/tune_v10.log); on the persistent launch it gains:
+  # dX 57 -> 49 us at 2 %, 62 -> 58 at 5 %, 127 -> 130 at 21 % (results/v14_h100/tune_v14_h100.json).
+  ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
+  # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
+  # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
+  # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200, as
+  # with_dx_programs sizes these tiles) it takes 0.48 ms, and the layer's backward 2.34 -> 1.63
+  # ms (results/v8_h100/tune_v8_head_h100.json).
+  ("hopper", 2, "vocab"): BlockConfig(dx_split=8),
+  # float32: one entry for every class (not re-tuned for v5).
+  **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
+     for shape_class in ("narrow", "wide", "wide_short", "vocab")},
+}
+_WIDE_WEIGHT = 3072 * 3072
+_WIDE_ROWS = 16384
+# Layers with at least this many output columns (a vocabulary: LLaMA-3's 128,256, BERT's 30,522)
+# are not compacted: their GEMMs read the kept rows in place. With few kept rows the copy saves
+# those GEMMs little, and it would hold a `dy`-sized buffer at the peak of the step (LLaMA-3.2-3B
+# at batch 1: +1.5 GB, +4 % of dense's peak, results/einsum_h100/llama_b1_einsum_h100.md).
+_IN_PLACE_COLUMNS = 16384
+_DEFAULT_CONFIG = BlockConfig()
+# Triton's dot needs every operand dim to be at least 16.
+_MIN_BLOCK = 16
+# The most programs :func:`block_config` lets share one dW tile. Each adds a float32 partial tile
+# to write and sum; past 4 that pass costs more than the idle SMs it fills.
+_MAX_DW_SPLIT = 4
+# Shared memory one Hopper SM gives its programs (227 KB of its 228).
+_SHARED_MEMORY = 227 * 1024
+
+
+def _default_device():
+  """The default backend's first device, or ``None`` where it has none."""
+  try:
+    return jax.devices()[0]
+  except RuntimeError:
+    return None
+
+
+def _gpu_generation() -> str:
+  device = _default_device()
+  if device is None:
+    return "unknown"
+  kind = device.device_kind.lower()
+  for marker, generation in (("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"),
+                             ("gh200", "hopper"), ("a100", "ampere"), ("a10", "ampere")):
+    if marker in kind:
+      return generation
+  return "unknown"
+
+
+def _sm_count() -> int | None:
+  """Streaming multiprocessors of the default device, or ``None`` off GPU."""
+  device = _default_device()
+  if device is None or device.platform != "gpu":
+    return None
+  return getattr(device, "core_count", None)
+
+
+def _fit(block: int, dim: int) -> int:
+  """``block`` shrunk to the smallest power of two >= ``dim`` (never below ``_MIN_BLOCK``)."""
+  return max(_MIN_BLOCK, min(block, pl.next_power_of_2(dim)))
+
+
+def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> BlockConfig:
+  """Tile sizes for an ``(M, K) x (K, N)`` layer: the table's entry for this GPU, dtype and
+  weight size, shrunk to small shapes.
+
+  A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
+  132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
+  """
+  if out_features >= _IN_PLACE_COLUMNS:
+    shape_class = "vocab"
+  elif in_features * out_features >= _WIDE_WEIGHT:
+    shape_class = "wide" if num_rows >= _WIDE_ROWS else "wide_short"
+  else:
+    shape_class = "narrow"
+  base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
+                          _DEFAULT_CONFIG)
+  config = dataclasses.replace(
+    base,
+    dx_m=_fit(base.dx_m, num_rows), dx_k=_fit(base.dx_k, in_features),
+    dx_n=_fit(base.dx_n, out_features),
+    dw_m=_fit(base.dw_m, num_rows), dw_k=_fit(base.dw_k, in_features),
+    dw_n=_fit(base.dw_n, out_features), compact=out_features < _IN_PLACE_COLUMNS,
+  )
+  return sized_for_gpu(config, in_features, out_features, dtype)
+
+
+def sized_for_gpu(config: BlockConfig, in_features: int, out_features: int,
+                  dtype) -> BlockConfig:
+  """``config`` sized for this GPU and a layer of ``in_features x out_features`` in ``dtype``
+  (:func:`with_dw_split`, :func:`with_dx_programs`), as :func:`block_config` hands its table
+  entries to a layer."""
+  return with_dx_programs(with_dw_split(config, in_features, out_features), dtype)
+
+
+def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
+  """``config`` with ``dw_split`` filling this GPU's SMs with dW programs (unchanged off GPU)."""
+  sms = _sm_count()
+  if not sms:
+    return config
+  tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
+  return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
+
+
+def with_dx_programs(config: BlockConfig, dtype) -> BlockConfig:
+  """``config`` with ``dx_programs`` (unless it sets them) this GPU's SMs times the dX programs
+  one SM holds: two where two tiles' pipelines (``dx_stages`` steps of a ``dy`` and a weight
+  tile) fit in its shared memory, else one. Unchanged off GPU (one program per tile)."""
+  sms = _sm_count()
+  if config.dx_programs or not sms:
+    return config
+  pipeline = config.dx_stages * (config.dx_m + config.dx_k) * config.dx_n * jnp.dtype(
+    dtype).itemsize
+  per_sm = 2 if 2 * pipeline <= _SHARED_MEMORY else 1
+  return dataclasses.replace(config, dx_programs=sms * per_sm)
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def _pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Zero-pad ``array`` at the end of each dim to ``shape`` (no copy when already that shape)."""
+  if array.shape == shape:
+    return array
+  return jnp.pad(array, [(0, s - d) for s, d in zip(shape, array.shape)])
+
+
+def _launch(body, out_shape, *, grid, warps: int, stages: int, interpret: bool, name: str,
+            input_output_aliases: dict[int, int] | None = None):
+  """``pl.pallas_call`` of ``body`` on whole refs (the kernels index them), Triton-compiled.
+
+  ``input_output_aliases`` (operand index -> output index): that output is the operand's buffer,
+  updated in place where the kernel writes it.
+
+  Inside ``jax.shard_map(check_vma=True)`` every operand is the device's own and so are the
+  outputs: they vary over every manual mesh axis some operand varies over. ``pallas_call``
+  needs ``out_shape`` to say how they vary; it is declared invariant, which the Pallas
+  interpreter requires (in jax 0.10 it carries the kernel's invariant values in a loop whose
+  carry must keep its type), and the outputs are cast to varying afterwards. An aliased output
+  has its operand's type already, and is cast only over the axes that it lacks.
+  """
+
+  def call(*operands):
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in operands))
+    invariant = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                     manual_axis_type=jax.sharding.ManualAxisType()), out_shape)
+    outputs = pl.pallas_call(
+      body, out_shape=invariant, grid=grid,
+      compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
+      input_output_aliases=input_output_aliases or {}, interpret=interpret, name=name)(*operands)
+
+    def to_varying(output):
+      axes = tuple(sorted(varying - jax.typeof(output).mat.varying))
+      return lax.pcast(output, axes, to="varying") if axes else output
+
+    return jax.tree.map(to_varying, outputs)
+
+  return call
+
+
+def _grouped_tile(program, row_blocks: int, col_blocks: int, group: int):
+  """``(row_block, col_block)`` of tile number ``program`` in grouped order: ``group`` row blocks
+  at a time, all their column blocks before the next group's, so that the tiles in flight
+  together read a few row blocks and a few column blocks instead of one of one and all of the
+  other (the operand rows then come from L2 once they are loaded)."""
+  per_group = group * col_blocks
+  first_row = (program // per_group) * group
+  group_rows = jnp.minimum(row_blocks - first_row, group)
+  within = program % per_group
+  return first_row + within % group_rows, within // group_rows
+
+
+# Rows one partition program places (one scan of this many flags), and its warps.
+_PARTITION_CHUNK = 1024
+_PARTITION_WARPS = 4
+
+
+def _partition_kernel(keep_ref, perm_ref, count_ref, *, chunk: int):
+  """Places one chunk of rows in the active-first permutation: a stable partition by prefix sums.
+
+  Every program sums the flags before its chunk (for its kept rows' first slot) and after it (for
+  the total, where the dropped rows start) itself: a few KB of flags read from L2, cheaper than a
+  second launch that would carry the offsets from one program to the next.
+  """
+  program = pl.program_id(0)
+  steps = keep_ref.shape[0] // chunk
+
+  def add_chunk(i, total):
+    return total + jnp.sum(keep_ref[pl.ds(i * chunk, chunk)])
+
+  kept_before = lax.fori_loop(0, program, add_chunk, jnp.int32(0))
+  count = lax.fori_loop(program, steps, add_chunk, kept_before)
+  flags = keep_ref[pl.ds(program * chunk, chunk)]
+  kept = kept_before + jnp.cumsum(flags)  # kept rows in [0, row]
+  row = program * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  # Kept row -> slot kept-1; dropped row -> after every kept row, in row order.
+  perm_ref[jnp.where(flags > 0, kept - 1, count + row - kept)] = row
+  # Every program stores the same total: no branch (a `pl.when` costs a conditional), no race
+  # that matters.
+  count_ref[...] = jnp.broadcast_to(count, (1,))
+
+
+def partition_pallas(keep: jax.Array, *, interpret: bool = False):
+  """``(perm, count)`` of :func:`sebp_jax.policy.active_first_permutation`, by one Pallas kernel.
+
+  Args:
+    keep: ``(M,)`` bool.
+
+  Returns:
+    ``perm``: ``(M',)`` int32 with ``M' >= M`` a whole number of chunks: the kept rows, then the
+    dropped ones, then the padding rows ``M .. M'-1``, each in increasing order. ``count``:
+    ``(1,)`` int32, the number of kept rows.
+  """
+  num_rows = keep.shape[0]
+  chunk = min(_PARTITION_CHUNK, pl.next_power_of_2(num_rows))
+  flags = _pad_to(keep.astype(jnp.int32), (_round_up(num_rows, chunk),))
+  return _launch(functools.partial(_partition_kernel, chunk=chunk),
+                 (jax.ShapeDtypeStruct(flags.shape, jnp.int32),
+                  jax.ShapeDtypeStruct((1,), jnp.int32)),
+                 grid=(flags.shape[0] // chunk,), warps=_PARTITION_WARPS, stages=1,
+                 interpret=interpret, name="sebp_partition")(flags)
+
+
+# Columns the gather kernel copies per step, and its warps.
+_GATHER_COLS = 256
+_GATHER_WARPS = 4
+
+
+def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
+  """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
+  load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
+  place, they are rows ``perm[positions]`` of the original, masked past ``count``."""
+  if compact:
+    return lambda ref, cols: ref[pl.ds(start, block_m), cols]
+  rows = perm_ref[pl.ds(start, block_m)]
+  valid = (start + jnp.arange(block_m) < count)[:, None]
+
+  def load(ref, cols):
+    tile = ref[rows, cols]
+    return jnp.where(valid, tile, jnp.zeros((), tile.dtype))
+
+  return load
+
+
+def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...],
+                   chunks: tuple[int, ...]):
+  """Program ``(i, c)``: rows ``perm[block i]`` of column chunk ``c`` copied to block ``i``'s
+  contiguous rows of a copy. Chunks are numbered across the sources, first to last, so each
+  program copies one chunk of one source; rows at or past ``count`` as zeros (the one block that
+  straddles it), nothing in the blocks past it."""
+  sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
+  start = pl.program_id(0) * block_m
+  chunk = pl.program_id(1)
+  count = count_ref[0]
+  load = _kept_rows(perm_ref, count, start, block_m, compact=False)
+  live = (start < count).astype(jnp.int32)
+  first = 0
+  for source, copy, cols, own_chunks in zip(sources, copies, block_cols, chunks):
+    local = chunk - first
+    mine = live * ((local >= 0) & (local < own_chunks)).astype(jnp.int32)
+
+    def step(_, carry, source=source, copy=copy, span=pl.ds(local * cols, cols)):
+      copy[pl.ds(start, block_m), span] = load(source, span)
+      return carry
+
+    # A loop of 0 or 1 trips rather than a branch (an integer flag, not a select: see _dx_kernel).
+    lax.fori_loop(0, mine, step, jnp.int32(0))
+    first += own_chunks
+
+
+def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False):
+  """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``.
+
+  Row ``i < count`` of a copy is row ``perm[i]`` of its source; rows ``count ..
+  round_up(count, block_m) - 1`` are zero; the rows past those are never written (whatever the
+  allocator left there: readers stop at that block). ``M`` must be a multiple of ``block_m``.
+
+  The grid is row blocks times column chunks of every source: with few kept rows (LLaMA-3B at
+  batch 1: ~80 of 4096, two row blocks) a grid over row blocks alone left two programs to copy
+  11,264 columns each, one chunk after another: 0.048 ms for a layer whose whole backward is
+  0.18 ms (results/v8_h100/tune_fewrows_h100.json).
+  """
+  num_rows = sources[0].shape[0]
+  # The widest power of two up to _GATHER_COLS that divides the width (widths are whole tiles).
+  block_cols = tuple(math.gcd(_GATHER_COLS, s.shape[1]) for s in sources)
+  for source, cols in zip(sources, block_cols):
+    assert source.shape[0] == num_rows and source.shape[1] % cols == 0, (source.shape, cols)
+  chunks = tuple(s.shape[1] // cols for s, cols in zip(sources, block_cols))
+  body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols, chunks=chunks)
+  return _launch(body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources),
+                 grid=(num_rows // block_m, sum(chunks)), warps=_GATHER_WARPS, stages=2,
+                 interpret=interpret, name="sebp_gather")(count, perm, *sources)
+
+
+def _split_share(total, split, part):
+  """``(first, steps)``: program ``part``'s share, the ``part``-th of ``split`` contiguous runs,
+  of a loop of ``total`` steps; the last runs may be shorter or empty."""
+  per_part = pl.cdiv(total, split)
+  first = part * per_part
+  return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
+
+
+def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int):
+  """Programs that share each dX tile's loop over ``N`` for ``count`` kept rows: enough for the
+  tiles that have kept rows to occupy the launch's ``programs``, between 1 and ``split``. The
+  GEMM and the reduction both derive it from ``count`` here, so the reduction sums exactly the
+  partial tiles that were written."""
+  live_tiles = pl.cdiv(count, block_m) * col_blocks
+  return jnp.minimum(jnp.maximum(programs // jnp.maximum(live_tiles, 1), 1), split)
+
+
+def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
+               block_m: int, block_k: int, block_n: int, group: int, precision,
+               programs: int, split: int, compact: bool = True, kernel_nk: bool = False):
+  """One persistent program of the dX GEMM: it works through its share of the launch's
+  *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
+  zero items), then exits.
+
+  The items are the GEMM's, then the zeros'. A GEMM item is one ``part`` of one live tile, a
+  ``(block_m, block_k)`` tile of ``dx`` whose rows hold kept rows. With ``split == 1`` every such
+  tile is one item over all of ``N``, stored to rows ``perm[block]`` of ``dx``. Otherwise each
+  live tile's loop over ``N`` is shared by ``parts`` items (:func:`_dx_parts`); at ``parts > 1``
+  each stores a float32 partial tile to ``partials[part]`` (compact row order;
+  :func:`_dx_reduce_kernel` sums and scatters them), even for an empty share of ``N``, since the
+  reduction reads every part. GEMM items are numbered part-major, grouped tile order within, so
+  the programs running together share operand rows in L2. A zero item is a tile past the live
+  ones: it stores zeros to rows ``perm[block]``, reading nothing. They go to the programs that
+  the GEMM leaves idle where those can store them all while a GEMM item runs, else to every
+  program after its GEMM items; every row of ``dx`` is written exactly once.
+
+  ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``. ``kernel``: ``(K, N)``,
+  or ``(N, K)`` with ``kernel_nk``.
+  """
+  col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
+  total = dyc_ref.shape[1] // block_n
+  count = count_ref[0]
+  live_blocks = pl.cdiv(count, block_m)
+  live_tiles = live_blocks * col_blocks
+  parts = 1
+  if split > 1:
+    parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
+                      split=split)
+  program = pl.program_id(0)
+  gemm_items = live_tiles * parts
+  zero_items = (dx_ref.shape[0] // block_m - live_blocks) * col_blocks
+  trips = pl.cdiv(jnp.maximum(gemm_items - program, 0), programs)
+  # The zero items go to the programs the GEMM leaves idle where those can store them all in
+  # the time of one GEMM item (counted in bytes moved: a step loads a `dy` and a weight tile, a
+  # zero tile is one store), so the GEMM's programs finish no later for them; else every
+  # program's own run continues past the GEMM's items (a few spare programs would otherwise
+  # store thousands of tiles each: LLaMA-3B's MLP down at 80 kept rows, 128 GEMM items for 132
+  # programs, 3968 zero tiles, NOTES "v13"). Integer flags times values, not `jnp.where`:
+  # Pallas-Triton in jax 0.11 types a select of literals as i1.
+  step_bytes, zero_bytes = block_n * (block_m + block_k), block_m * block_k
+  unit = math.gcd(step_bytes, zero_bytes)  # small integers: no int32 overflow below
+  spare = jnp.maximum(programs - gemm_items, 0)
+  has_spare = ((spare > 0) & (spare * pl.cdiv(total, parts) * (step_bytes // unit)
+                              >= zero_items * (zero_bytes // unit))).astype(jnp.int32)
+  zero_stride = has_spare * spare + (1 - has_spare) * programs
+  first_zero = program + (1 - has_spare) * trips * programs - gemm_items
+  zero_trips = pl.cdiv(jnp.maximum(zero_items - first_zero, 0), zero_stride) * (
+    first_zero >= 0).astype(jnp.int32)
+
+  def item(i, carry):
+    index = program + i * programs
+    # (No item at all when nothing is live: the guards only keep the divisions defined.)
+    part, tile = index // jnp.maximum(live_tiles, 1), index % jnp.maximum(live_tiles, 1)
+    row_block, col_block = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
+    start = row_block * block_m
+    first_step, share = _split_share(total, parts, part) if split > 1 else (0, total)
+    cols = pl.ds(col_block * block_k, block_k)
+    load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
+
+    def step(n, acc):
+      span = pl.ds((first_step + n) * block_n, block_n)
+      weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
+      return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
+                                   DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted tiles
+    # go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
+    acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
+
+    def store_rows():
+      dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
+
+    if split == 1:
+      store_rows()
+    else:
+      pl.when(parts == 1)(store_rows)
+
+      @pl.when(parts > 1)
+      def _():
+        partials_ref[0][part, pl.ds(start, block_m), cols] = acc
+    return carry
+
+  def zero_item(i, carry):
+    zero = first_zero + i * zero_stride
+    start = (live_blocks + zero // col_blocks) * block_m
+    cols = pl.ds(zero % col_blocks * block_k, block_k)
+    dx_ref[perm_ref[pl.ds(start, block_m)], cols] = jnp.zeros((block_m, block_k), dx_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, trips, item, jnp.int32(0))
+  lax.fori_loop(0, zero_trips, zero_item, jnp.int32(0))
+
+
+def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
+                      block_k: int, programs: int):
+  """One ``(block_m, block_k)`` tile of the split region: where the GEMM split the live tiles
+  (``parts > 1``), the sum of this tile's partial tiles stored to rows ``perm[block]`` of ``dx``
+  (aliased to the GEMM's ``dx``, whose other rows it keeps); nothing otherwise, nor for a block
+  past ``count``, whose partial tiles were never written (the GEMM stored its zeros)."""
+  col_blocks = dx_ref.shape[1] // block_k
+  row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
+  start = row_block * block_m
+  count = count_ref[0]
+  rows, cols = pl.ds(start, block_m), pl.ds(col_block * block_k, block_k)
+  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
+                    split=partials_ref.shape[0])
+  summed = (start < count) & (parts > 1)
+  steps = summed.astype(jnp.int32) * parts
+  acc = lax.fori_loop(0, steps, lambda part, acc: acc + partials_ref[part, rows, cols],
+                      jnp.zeros((block_m, block_k), jnp.float32))
+
+  @pl.when(summed)
+  def _():
+    dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
+
+
+def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
+               block_m: int, block_k: int, block_n: int, group: int, programs: int,
+               split: int, precision, compact: bool = True):
+  """``(block_k, block_n)`` tiles of ``dw``, each summed over the kept rows only (over this
+  program's share of them when ``split > 1``: a partial tile at ``dw[part]``): tiles
+  ``program, program + programs, ...`` in grouped order (one tile each when ``programs`` is the
+  tile count). ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not
+  ``compact``."""
+  k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
+  count = count_ref[0]
+  # Runtime trip count: the cost follows the kept rows, not the padded length. Part `part`
+  # takes the `part`-th of `split` contiguous runs of row blocks.
+  part = pl.program_id(1)  # read here: the interpreter has no program_id inside a loop body
+  first, steps = _split_share(pl.cdiv(count, block_m), split, part)
+  program = pl.program_id(0)
+
+  def tile(i, carry):
+    k_block, n_block = _grouped_tile(program + i * programs, k_blocks, n_blocks, group)
+    k_span = pl.ds(k_block * block_k, block_k)
+    n_span = pl.ds(n_block * block_n, block_n)
+
+    def step(t, acc):
+      load = _kept_rows(perm_ref, count, (first + t) * block_m, block_m, compact=compact)
+      return acc + lax.dot_general(load(xc_ref, k_span), load(dyc_ref, n_span), DW_DIMS,
+                                   precision=precision, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_k, block_n), jnp.float32))
+    if split == 1:
+      dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
+    else:
+      dw_ref[part, k_span, n_span] = acc
+    return carry
+
+  if programs == k_blocks * n_blocks:  # one tile per program: no loop around it at all
+    tile(0, None)
+  else:
+    lax.fori_loop(0, pl.cdiv(k_blocks * n_blocks - program, programs), tile, jnp.int32(0))
+
+
+def _dx_launch(num_rows: int, in_features: int, out_steps: int,
+               config: BlockConfig) -> tuple[int, int, int]:
+  """``(programs, split, split_rows)`` of :func:`dx_pallas` for ``num_rows`` compacted rows, ``K
+  = in_features`` and an ``N`` loop of ``out_steps`` steps: the launch's programs (at most one
+  per item it can have), the most parts of a tile's ``N`` loop (1: no split) and the rows below
+  which a split can happen (where at most ``programs // 2`` tiles are live)."""
+  if config.dx_split < 1:
+    raise ValueError(f"`dx_split` must be >= 1, got {config.dx_split}")
+  if config.dx_programs < 0:
+    raise ValueError(f"`dx_programs` must be >= 0 (0: one per tile), got {config.dx_programs}")
+  col_blocks = in_features // config.dx_k
+  tiles = num_rows // config.dx_m * col_blocks
+  split = min(config.dx_split, out_steps)  # more parts than steps would only add empty ones
+  programs = min(config.dx_programs or tiles, tiles * split)
+  split_rows = min(programs // 2 // col_blocks * config.dx_m, num_rows)
+  if split <= 1 or not split_rows:
+    return min(programs, tiles), 1, 0
+  return programs, split, split_rows
+
+
+_DX_REDUCE_WARPS = 4
+
+
+def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
+              interpret: bool = False, kernel_nk: bool = False) -> jax.Array:
+  """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
+
+  One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows; with
+  ``config.dx_split > 1`` also a reduction launch (``sebp_dx_reduce``) that sums the split
+  tiles' float32 partials into ``dx`` in place.
+
+  Args:
+    dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
+      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
+    kernel: ``(K, N)`` with ``K % dx_k == 0``; ``(N, K)`` with ``kernel_nk``.
+    perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
+
+  Returns:
+    ``(M, K)`` in ``kernel.dtype``.
+  """
+  num_rows, out_features = dyc.shape
+  in_features = kernel.shape[1 if kernel_nk else 0]
+  programs, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n,
+                                           config)
+  launch = functools.partial(_launch, interpret=interpret)
+  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                           block_n=config.dx_n, group=config.dx_group, precision=precision,
+                           programs=programs, split=split, compact=config.compact,
+                           kernel_nk=kernel_nk)
+  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
+                           stages=config.dx_stages, name="sebp_dx")
+  if split == 1:
+    return gemm(dx_shape)(count, perm, dyc, kernel)
+  partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
+  dx, partials = gemm((dx_shape, partials_shape))(count, perm, dyc, kernel)
+  reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                             programs=programs)
+  split_tiles = split_rows // config.dx_m * (in_features // config.dx_k)
+  return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
+                name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
+
+
+def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
+              interpret: bool = False) -> jax.Array:
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only.
+
+  Args:
+    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), or ``x`` itself when
+      ``config.compact`` is off; ``M % dw_m == 0`` and ``K % dw_k == 0``.
+    dyc: ``(M, N)``, the kept rows of ``dy`` first, or ``dy``; ``N % dw_n == 0``.
+    perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
+
+  Returns:
+    ``(K, N)`` in ``xc.dtype``.
+  """
+  in_features, out_features = xc.shape[1], dyc.shape[1]
+  split = config.dw_split
+  if config.dw_programs < 0:
+    raise ValueError(f"`dw_programs` must be >= 0 (0: one per tile), got {config.dw_programs}")
+  tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
+  programs = min(config.dw_programs or tiles, tiles)
+  body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
+                           block_n=config.dw_n, group=config.dw_group, programs=programs,
+                           split=split, precision=precision, compact=config.compact)
+  out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
+    (split, in_features, out_features), jnp.float32)
+  dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(programs, split),
+               warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
+               name="sebp_dw")(count, perm, xc, dyc)
+  return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
+
+
+def _in_features(x, kernel, kernel_nk: bool) -> int:
+  return kernel.shape[1 if kernel_nk else 0] if kernel is not None else x.shape[1]
+
+
+def _row_block(config: BlockConfig) -> int:
+  """Rows of the gather kernel's blocks: a whole number of both GEMMs' row tiles."""
+  return max(config.dx_m, config.dw_m)
+
+
+def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
+                    interpret: bool = False, kernel_nk: bool = False):
+  """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
+  partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk``: as in
+  :func:`backward`."""
+  num_rows, out_features = dy.shape
+  in_features = _in_features(x, kernel, kernel_nk)
+  m_pad = _round_up(num_rows, _row_block(config))
+  k_pad = _round_up(in_features, max(config.dx_k, config.dw_k))
+  n_pad = _round_up(out_features, max(config.dx_n, config.dw_n))
+  sources = [_pad_to(dy, (m_pad, n_pad))]
+  if x is not None:
+    sources.append(_pad_to(x, (m_pad, k_pad)))
+  if config.compact:
+    sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                            interpret=interpret)
+  dyc, *xc = sources
+  dx = dw = None
+  if kernel is not None:
+    dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
+                   count, config=config, precision=precision, interpret=interpret,
+                   kernel_nk=kernel_nk)
+    dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
+  if x is not None:
+    # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
+    # two sides too (the padding above is by tile side, so it still fits).
+    lhs, rhs, dw_config, dw_shape = (xc[0], dyc, config, (in_features, out_features))
+    if kernel_nk:
+      lhs, rhs, dw_shape = dyc, xc[0], (out_features, in_features)
+      dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
+    dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
+                   interpret=interpret)
+    dw = dw[:dw_shape[0], :dw_shape[1]] if dw.shape != dw_shape else dw
+  return dx, dw
+
+
+def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,
+             config: BlockConfig | None = None, crossover: float | None = None,
+             plan: RowPlan | None = None, kernel_nk: bool = False):
+  """SEBP backward of ``y = x @ kernel`` through the Pallas kernels.
+
+  Args:
+    x: ``(M, K)`` input, or ``None`` when ``dW`` is not needed.
+    kernel: ``(K, N)`` weight, or ``None`` when ``dX`` is not needed.
+    dy: ``(M, N)`` output gradient.
+    policy: which rows to keep.
+    precision: ``lax.Precision`` of the products.
+    interpret: run the kernels in the Pallas interpreter (any backend; how CI tests them).
+    config: tile sizes; by default from the table for this GPU, dtype and shape.
+    crossover: overrides ``config.crossover`` (see :func:`sebp_jax.sebp_matmul`).
+    plan: the kept rows, decided once per step (:class:`sebp_jax.plan.RowPlan`): no score read
+      and no partition here. ``policy`` must then be the exact one.
+    kernel_nk: the weight is stored ``(N, K)`` (see :func:`sebp_jax.backends.xla.backward`):
+      dX reads it in that layout and dW is written in it.
+
+  Returns:
+    ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
+  """
+  num_rows, out_features = dy.shape
+  if config is None:
+    config = block_config(num_rows, _in_features(x, kernel, kernel_nk), out_features, dy.dtype)
+  if crossover is not None:
+    config = dataclasses.replace(config, crossover=crossover)
+  m_pad = _round_up(num_rows, _row_block(config))
+  if plan is None:
+    keep = keep_mask(dy, policy)
+    # Padding rows (of `dy` padded to whole tiles) come last in `perm`: dropped, never gathered
+    # as kept; positions below the padded row count only ever name rows below it.
+    perm, count = partition_pallas(_pad_to(keep, (m_pad,)), interpret=interpret)
+  else:
+    keep, perm, count = plan.keep, plan.perm, plan.count
+    assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
+  sparse = functools.partial(sparse_backward, config=config, precision=precision,
+                             interpret=interpret, kernel_nk=kernel_nk)
+  dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision,
+                            planned=plan is not None, kernel_nk=kernel_nk)
+  if config.crossover >= 1.0:  # no dense branch: no conditional (and no host round trip) at all
+    return sparse(x, kernel, dy, perm, count)
+  # Past the crossover the compact products save less than the gather costs.
+  use_dense = count[0] > int(config.crossover * num_rows)
+  return lax.cond(use_dense,
+                  lambda: dense(x, kernel, dy),
+                  lambda: sparse(x, kernel, dy, perm, count))

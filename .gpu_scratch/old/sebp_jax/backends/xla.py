@@ -1,0 +1,131 @@
+"""Portable SEBP backward in plain XLA: bucketed static capacities with a dense fallback.
+
+XLA needs static shapes, but the number of kept rows is a runtime value. So the backward compiles a
+few branches, each for a static capacity ``C`` (``M/32 .. M/2`` rows), plus the dense backward, and
+``lax.switch`` runs the smallest one that holds ``count``. A branch gathers the first ``C`` rows of
+the active-first permutation, runs the two matmuls on ``C`` rows and scatters ``dX`` back. The
+compiled program is the same whatever the padding: nothing retraces when ``count`` changes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from sebp_jax.plan import RowPlan
+from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
+
+__all__ = ["backward", "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
+
+# Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
+# branches cost compile time and gain nothing.
+_MIN_CAPACITY = 8
+# Capacities as fractions of M. Above M/2 the gather/scatter overhead eats most of the saving,
+# so the dense branch takes over.
+_CAPACITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+# Contractions, in lax.dot_general's dimension numbers.
+DX_DIMS = (((1,), (1,)), ((), ()))  # (M, N) x (K, N) -> (M, K)
+DX_NK_DIMS = (((1,), (0,)), ((), ()))  # (M, N) x (N, K) -> (M, K): a kernel stored (N, K)
+DW_DIMS = (((0,), (0,)), ((), ()))  # (M, K) x (M, N) -> (K, N); (M, N) x (M, K) -> (N, K)
+
+
+def capacities(num_rows: int) -> tuple[int, ...]:
+  """Static row capacities of the compact branches for ``num_rows`` rows (may be empty)."""
+  caps = set()
+  for fraction in _CAPACITY_FRACTIONS:
+    cap = -(-int(num_rows * fraction) // _MIN_CAPACITY) * _MIN_CAPACITY
+    if _MIN_CAPACITY <= cap < num_rows:
+      caps.add(cap)
+  return tuple(sorted(caps))
+
+
+def _products(x, kernel, dy, precision, kernel_nk: bool = False):
+  """``(dy @ kernel.T, x.T @ dy)``, each ``None`` where its operand is ``None``; with
+  ``kernel_nk`` the kernel is stored ``(N, K)``: ``(dy @ kernel, dy.T @ x)``, ``dw`` in that layout.
+
+  Dots accumulate in float32 (XLA does so for bf16 on CPU and GPU) and return the primal dtype.
+  """
+  dx = None
+  if kernel is not None:
+    dx = lax.dot_general(dy, kernel, DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+                         preferred_element_type=kernel.dtype)
+  dw = None
+  if x is not None:
+    dw = lax.dot_general(*((dy, x) if kernel_nk else (x, dy)), DW_DIMS, precision=precision,
+                         preferred_element_type=x.dtype)
+  return dx, dw
+
+
+def dense_backward(x, kernel, dy, keep, *, policy: RowPolicy, precision=None,
+                   planned: bool = False, kernel_nk: bool = False):
+  """The dense backward of the masked gradient ``dy * keep[:, None]``.
+
+  Under the exact policy every dropped row is already zero, so the mask is skipped; a ``planned``
+  ``keep`` (a :class:`~sebp_jax.plan.RowPlan`'s) is not read off ``dy`` and is always applied.
+  ``kernel_nk``: as in :func:`backward`.
+  """
+  if planned or not policy.is_exact:
+    dy = jnp.where(keep[:, None], dy, jnp.zeros((), dy.dtype))
+  return _products(x, kernel, dy, precision, kernel_nk)
+
+
+def _compact_backward(capacity, x, kernel, dy, perm, count, *, precision, kernel_nk):
+  """The backward on the first ``capacity`` rows of ``perm``, of which ``count`` are kept."""
+  num_rows = dy.shape[0]
+  rows = perm[:capacity]
+  valid = (jnp.arange(capacity, dtype=jnp.int32) < count)[:, None]
+  gather = dict(mode="promise_in_bounds", unique_indices=True)
+  # Rows past `count` are dropped rows: their gradient is zeroed, as the contract's masked
+  # gradient has it.
+  dy_rows = jnp.where(valid, dy.at[rows].get(**gather), jnp.zeros((), dy.dtype))
+  x_rows = None if x is None else x.at[rows].get(**gather)
+  dx_rows, dw = _products(x_rows, kernel, dy_rows, precision, kernel_nk)
+  dx = None
+  if dx_rows is not None:
+    dx = jnp.zeros((num_rows, dx_rows.shape[1]), dx_rows.dtype).at[rows].set(
+      dx_rows, **gather)
+  return dx, dw
+
+
+def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan | None = None,
+             kernel_nk: bool = False):
+  """SEBP backward of ``y = x @ kernel`` in XLA.
+
+  Args:
+    x: ``(M, K)`` input, or ``None`` when ``dW`` is not needed.
+    kernel: ``(K, N)`` weight, or ``None`` when ``dX`` is not needed.
+    dy: ``(M, N)`` output gradient.
+    policy: which rows to keep.
+    precision: ``lax.Precision`` of the two matmuls.
+    plan: the kept rows, decided once per step (:class:`sebp_jax.plan.RowPlan`): no score read
+      and no partition here. ``policy`` must then be the exact one.
+    kernel_nk: the weight is stored ``(N, K)`` and the product is ``x @ kernel.T`` (a tied
+      output embedding): ``kernel`` is that ``(N, K)`` array and ``dw`` comes back ``(N, K)``,
+      so that no transpose of either is made.
+
+  Returns:
+    ``(dx, dw)``: ``(M, K)`` and ``(K, N)`` (``(N, K)`` with ``kernel_nk``), ``None`` where not
+    asked for; equal to the dense backward of ``dy * keep[:, None]`` up to summation order.
+  """
+  keep = keep_mask(dy, policy) if plan is None else plan.keep
+  caps = capacities(dy.shape[0])
+  dense = lambda: dense_backward(x, kernel, dy, keep, policy=policy, precision=precision,
+                                 planned=plan is not None, kernel_nk=kernel_nk)
+  if not caps:
+    return dense()
+  if plan is None:
+    perm, count = active_first_permutation(keep)
+  else:  # positions below every capacity (< M) name real rows only
+    perm, count = plan.perm, plan.count[0]
+  branches = [
+    lambda cap=cap: _compact_backward(cap, x, kernel, dy, perm, count, precision=precision,
+                                      kernel_nk=kernel_nk)
+    for cap in caps
+  ]
+  # The smallest capacity that holds `count`; the dense branch past the largest. Compared with
+  # all of them at once: the default binary search is a while loop, which XLA:GPU steers from
+  # the host, one round trip per iteration.
+  branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), count, side="left",
+                            method="compare_all")
+  return lax.switch(branch, [*branches, dense])

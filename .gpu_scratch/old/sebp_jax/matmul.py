@@ -1,0 +1,300 @@
+"""``sebp_matmul``: ``x @ kernel (+ bias)`` whose backward runs on the active gradient rows only.
+
+The forward is the plain matmul. The backward is a ``jax.custom_vjp`` that picks the kept rows of
+the output gradient (:mod:`sebp_jax.policy`) and hands them to a backend (:mod:`sebp_jax.backends`).
+The bias stays outside the custom rule: its gradient is the full row sum of ``dy`` under every
+policy, which ordinary autodiff already gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from sebp_jax import contraction
+from sebp_jax.backends import xla as xla_backend
+from sebp_jax.plan import RowPlan, check_plan_covers
+from sebp_jax.policy import RowPolicy
+from sebp_jax.sharding import RowSharding, current_row_sharding, per_shard_backward
+
+__all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
+
+IMPLS = ("auto", "pallas", "xla", "interpret", "dense")
+
+# lax.dot_general dimension numbers of `x @ kernel` for x of rank `ndim` and a 2-D kernel.
+def _matmul_dims(ndim: int):
+  return (((ndim - 1,), (0,)), ((), ()))
+
+
+def resolve_impl(impl: str) -> str:
+  """The concrete backend for ``impl``: ``"auto"`` is Pallas on GPU and XLA elsewhere."""
+  if impl not in IMPLS:
+    raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}.")
+  if impl == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return impl
+
+
+def _check_crossover(crossover: float | None) -> None:
+  """Raises ``ValueError`` unless ``crossover`` is ``None`` or a fraction above 0."""
+  if crossover is not None and (isinstance(crossover, bool)
+                                or not isinstance(crossover, (int, float)) or not crossover > 0):
+    raise ValueError(
+      f"`crossover` must be None (the backend's measured default) or a kept-row fraction "
+      f"> 0 (>= 1: never run the dense backward), got {crossover!r}.")
+
+
+def _backend(impl: str, crossover: float | None):
+  if impl == "xla":
+    # Its capacity switch is its own crossover (the dense branch past M/2): `crossover` is a
+    # Pallas setting.
+    return xla_backend.backward
+  # Imported lazily: Pallas (and its Triton lowering) is only needed where it runs.
+  from sebp_jax.backends import pallas as pallas_backend
+  return functools.partial(pallas_backend.backward, interpret=(impl == "interpret"),
+                           crossover=crossover)
+
+
+def _check_operands(x, kernel, bias, transpose_kernel: bool = False) -> None:
+  for name, value in (("x", x), ("kernel", kernel), ("bias", bias)):
+    if value is None:
+      continue
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+      raise TypeError(f"sebp_matmul: `{name}` must be an array, got {type(value).__name__}.")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+      raise TypeError(
+        f"sebp_matmul: `{name}` must have a floating dtype, got {value.dtype}.")
+  if x.ndim < 2:
+    raise ValueError(
+      f"sebp_matmul: `x` must have rank >= 2, (..., in_features), got shape {x.shape}.")
+  if not isinstance(transpose_kernel, bool):
+    raise TypeError(f"sebp_matmul: `transpose_kernel` must be a bool, got {transpose_kernel!r}.")
+  layout = "(out_features, in_features) with transpose_kernel=True" if transpose_kernel else (
+    "(in_features, out_features)")
+  if kernel.ndim != 2:
+    raise ValueError(f"sebp_matmul: `kernel` must be 2-D {layout}, got shape {kernel.shape}.")
+  in_features, out_features = kernel.shape[::-1] if transpose_kernel else kernel.shape
+  if x.shape[-1] != in_features:
+    raise ValueError(
+      f"sebp_matmul: `x` has {x.shape[-1]} input features (shape {x.shape}) but `kernel` "
+      f"expects {in_features} (shape {kernel.shape}, {layout}).")
+  if bias is not None and bias.shape != (out_features,):
+    raise ValueError(
+      f"sebp_matmul: `bias` must have shape ({out_features},), got {bias.shape}.")
+
+
+def _check_rows(rows, policy: RowPolicy) -> None:
+  if rows is None:
+    return
+  if not isinstance(rows, RowPlan):
+    raise TypeError(f"sebp_matmul: `rows` must be a RowPlan (sebp_jax.row_plan(mask)) or None, "
+                    f"got {type(rows).__name__}.")
+  if not policy.is_exact:
+    raise ValueError(f"sebp_matmul: a row plan (`rows`) replaces the policy's selection; it "
+                     f"needs the exact policy RowPolicy(), got {policy}.")
+
+
+def _forward(x, kernel, precision, out_dtype=None):
+  """``x @ kernel``, the product rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+  return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision,
+                         preferred_element_type=out_dtype)
+
+
+# `kernel` is always the (K, N) operand of the product. `kernel_nk`: it is the transpose of a
+# weight stored (N, K), which the backend is handed as stored (see _sebp_product_bwd).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _sebp_product(policy: RowPolicy, impl: str, crossover, precision, name,
+                  sharding: RowSharding | None, out_dtype, kernel_nk: bool, x, kernel, plan):
+  return _forward(x, kernel, precision, out_dtype)
+
+
+def _sebp_product_fwd(policy, impl, crossover, precision, name, sharding, out_dtype, kernel_nk,
+                      x, kernel, plan):
+  # With symbolic zeros, `perturbed` says which inputs are differentiated: save only what the
+  # needed products use, so a frozen kernel costs no dW and an input without gradient no dX.
+  y = _forward(x.value, kernel.value, precision, out_dtype)
+  saved_x = x.value if kernel.perturbed else None
+  saved_kernel = kernel.value if x.perturbed else None
+  plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
+  return y, (saved_x, saved_kernel, plan)
+
+
+def _sebp_product_bwd(policy, impl, crossover, precision, name, sharding, out_dtype, kernel_nk,
+                      residuals, dy):
+  saved_x, saved_kernel, plan = residuals
+  if isinstance(dy, SymbolicZero):
+    return None, None, None
+  # The backends take one dtype: a `preferred_element_type` output's gradient is rounded to the
+  # operands' (the dense backward would multiply it in the output's); products still accumulate
+  # in float32.
+  dy = dy.astype((saved_x if saved_x is not None else saved_kernel).dtype)
+
+  def backend(x2d, kernel, dy2d, plan):
+    if plan is not None and plan.check:
+      check_plan_covers(plan, dy2d, name or f"with output gradient {dy.shape}")
+    run = functools.partial(_backend(impl, crossover), policy=policy, precision=precision,
+                            plan=plan)
+    if not kernel_nk:
+      return run(x2d, kernel, dy2d)
+    # The backend reads the weight as stored and writes dW in that layout; XLA cancels these
+    # two transposes against sebp_matmul's `kernel.T` and its gradient's, so neither the weight
+    # nor dW is transposed in memory (a transposed dW of a tied LM head, fused into the
+    # optimizer update, was the costliest kernel of a LLaMA step: benchmarks/NOTES.md, "v12").
+    dx, dw = run(x2d, None if kernel is None else kernel.T, dy2d, kernel_nk=True)
+    return dx, None if dw is None else dw.T
+
+  # Each device runs the backend on its own rows, and plans them (sebp_jax.sharding).
+  dx, dw = per_shard_backward(backend, saved_x, saved_kernel, dy, sharding, plan=plan)
+  return dx, dw, None
+
+
+_sebp_product.defvjp(_sebp_product_fwd, _sebp_product_bwd, symbolic_zeros=True)
+
+
+def sebp_matmul(
+  x: jax.Array,
+  kernel: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  policy: RowPolicy = RowPolicy(),
+  impl: str = "auto",
+  precision: Any = None,
+  crossover: float | None = None,
+  rows: RowPlan | None = None,
+  name: str | None = None,
+  preferred_element_type: Any = None,
+  transpose_kernel: bool = False,
+) -> jax.Array:
+  """``x @ kernel + bias`` with the SEBP backward.
+
+  The forward is the plain matmul. In the backward, rows of the output gradient that ``policy``
+  drops contribute nothing: ``dx`` and ``dkernel`` equal the dense backward of
+  ``dy * keep[:, None]``, computed on the kept rows only; ``dbias`` is the full row sum of ``dy``.
+
+  Args:
+    x: ``(..., K)`` input, rank >= 2 (all leading dims are rows).
+    kernel: ``(K, N)`` weight, Flax layout; ``(N, K)`` with ``transpose_kernel``.
+    bias: optional ``(N,)``.
+    policy: which gradient rows to keep (:class:`RowPolicy`); the default is exact.
+    impl: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"pallas"``, ``"xla"``, ``"interpret"``
+      (the Pallas kernels through the Pallas interpreter) or ``"dense"`` (the plain backward).
+    precision: ``lax.Precision`` for the forward and backward matmuls.
+    crossover: the kept-row fraction above which the Pallas backward runs the dense products
+      instead, through a ``lax.cond``. ``None``: the measured value of the block table (0.4 on
+      Hopper). ``>= 1``: never, and no conditional is compiled at all: XLA:GPU waits on the host
+      for each conditional's predicate (~30 µs per layer on an H200, 2.2–2.9 ms of a 22–24 ms
+      BERT-base step), so training on short sequences that never cross is faster without it
+      (:func:`sebp_jax.sebp_value_and_grad` decides once per step instead). The ``xla`` backend
+      has its own capacity switch and ignores it.
+    rows: a :class:`sebp_jax.RowPlan` (:func:`sebp_jax.row_plan`): the kept rows decided once
+      per step from the batch's mask, so the backward skips its score read and partition; the
+      result is the dense backward of ``dy * plan[:, None]``. Exact policy only. Ignored (``dy``
+      scored as usual) when ``x``'s leading dims are not the plan's.
+    name: the layer's name in the errors of a checking plan (``row_plan(..., check=True)``).
+    preferred_element_type: the output's dtype, as in ``lax.dot_general`` (e.g. float32 from
+      bfloat16 operands: the product is not rounded to bfloat16); ``None``: the operands'
+      promoted dtype. The backward still runs in the operands' dtype, with float32
+      accumulation.
+    transpose_kernel: ``kernel`` is stored ``(N, K)`` and the product is ``x @ kernel.T`` (a
+      tied output embedding, a PyTorch-layout weight). The backward reads it in that layout
+      and returns its gradient in it: neither is transposed in memory.
+
+  Returns:
+    ``(..., N)`` output in ``preferred_element_type`` or else the promoted dtype of ``x``,
+    ``kernel`` (and ``bias``); each gradient comes back in the dtype of its primal.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jnp.ones((2, 5, 3)).at[:, 3:].set(0.0)   # two sequences, padded to 5 tokens
+  >>> w = jnp.ones((3, 4))
+  >>> loss = lambda x, w: jnp.sum(sebp_matmul(x, w, impl="xla") ** 2)
+  >>> jax.tree.map(jnp.shape, jax.grad(loss, argnums=(0, 1))(x, w))
+  ((2, 5, 3), (3, 4))
+  """
+  _check_operands(x, kernel, bias, transpose_kernel)
+  if not isinstance(policy, RowPolicy):
+    raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
+  _check_crossover(crossover)
+  _check_rows(rows, policy)
+  impl = resolve_impl(impl)
+  # Promote outside the custom rule: autodiff of the casts returns each gradient in its
+  # primal's dtype, and the rule itself sees one dtype.
+  dtype = jnp.result_type(x, kernel)
+  # `None` where the output keeps the operands' dtype: the plain product, one static argument.
+  out_dtype = (None if preferred_element_type is None
+               or jnp.dtype(preferred_element_type) == dtype else jnp.dtype(preferred_element_type))
+  x, kernel = x.astype(dtype), kernel.astype(dtype)
+  if transpose_kernel:
+    kernel = kernel.T  # a view for XLA: the product and the backward read the stored layout
+  if impl == "dense":
+    y = _forward(x, kernel, precision, out_dtype)
+  else:
+    plan = rows if rows is not None and rows.applies_to(x) else None
+    # The sebp_jax.sharded_rows in effect now, when the forward is traced.
+    y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(),
+                      out_dtype, transpose_kernel, x, kernel, plan)
+  if bias is not None:
+    # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
+    # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    y = (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
+  return y
+
+
+@dataclasses.dataclass(frozen=True)
+class SEBPDotGeneral:
+  """A ``lax.dot_general`` replacement that gives every weight contraction the SEBP backward.
+
+  Flax's ``nn.Dense`` / ``nn.DenseGeneral``, ``nnx.Linear`` / ``nnx.LinearGeneral`` take a
+  ``dot_general``, and ``jnp.einsum`` a ``_dot_general``; this is the one that makes them SEBP
+  layers. ``dot_general(x, w, dims)`` with no batch dimensions, in any dimension order, runs as
+  :func:`sebp_matmul` of ``x`` viewed as ``(rows, K)`` and ``w`` as ``(K, N)``
+  (:func:`sebp_jax.contraction.matmul_view`): the rows are ``x``'s free dimensions, so ``x`` is the
+  activation and ``w`` the weight. ``preferred_element_type`` sets the result's dtype and
+  ``out_sharding`` is applied to the result (``jax.sharding.reshard``).
+
+  On purpose, contractions with batch dimensions (attention scores, batched matmuls) and
+  non-floating operands go to ``lax.dot_general`` unchanged: their rows are not a layer's
+  tokens.
+
+  >>> import jax.numpy as jnp
+  >>> x, w = jnp.ones((2, 7, 4, 8)), jnp.ones((4, 8, 16))
+  >>> jnp.einsum("BTNH,NHD->BTD", x, w, _dot_general=SEBPDotGeneral(impl="xla")).shape
+  (2, 7, 16)
+  """
+
+  policy: RowPolicy = RowPolicy()
+  impl: str = "auto"
+  crossover: float | None = None
+  rows: RowPlan | None = None
+  name: str | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.policy, RowPolicy):
+      raise TypeError(f"`policy` must be a RowPolicy, got {type(self.policy).__name__}.")
+    # Reject an unknown impl or a bad crossover when the layer is built, not when it first runs.
+    resolve_impl(self.impl)
+    _check_crossover(self.crossover)
+    _check_rows(self.rows, self.policy)
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               *, out_sharding=None):
+    view = contraction.matmul_view(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    floating = all(jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in (lhs, rhs))
+    if view is None or not floating:
+      return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                             preferred_element_type=preferred_element_type,
+                             out_sharding=out_sharding)
+    x, w = view.operands(lhs, rhs)
+    y = view.result(sebp_matmul(x, w, policy=self.policy, impl=self.impl, precision=precision,
+                                crossover=self.crossover, rows=self.rows, name=self.name,
+                                preferred_element_type=preferred_element_type,
+                                transpose_kernel=view.rhs_nk))
+    if out_sharding is not None:
+      y = jax.sharding.reshard(y, out_sharding)
+    return y

@@ -1,0 +1,742 @@
+"""Triton kernels of the SEBP backward: compact the kept rows first, then GEMMs on contiguous rows.
+
+One backward (:func:`sebp_grads`) is three Triton launches (and a memset where dW is split) and
+no host synchronisation: the number of kept rows ``count`` stays a device scalar. Every grid is sized from
+the shapes alone (for all ``M`` rows); a program whose rows lie past ``count`` returns at once, as
+in vLLM's fused-MoE kernels, so the work follows ``count`` while the launches stay static and the
+whole backward can be captured in a CUDA graph.
+
+1. **select** (a grid over row blocks of ``dY``): one read of ``dY`` gives each row's keep flag
+   (float32 ``max |dY|`` against the threshold, NaN/Inf always kept), the number of kept rows per
+   block and, when the bias needs it, the block's column sums of ``dY`` (``db``'s partial sums).
+   ``max_rows`` policies rank the rows first (one launch computes each row's key in one read of
+   ``dY``; a sort and a scatter on the device pick the Top-N) and pass the flags in.
+2. **compact** (the same grid): each block adds up the counts of the blocks before it, writes its
+   rows' places in the active-first permutation ``perm`` (kept rows first, each part in row
+   order) and copies its kept rows of ``dY`` and ``X`` to those places of two contiguous buffers;
+   the first programs also add up ``db``'s partial sums, a chunk of columns each.
+3. **GEMMs**, one launch whose first programs compute dW and the rest dX, so that with few kept
+   rows the two small products share the GPU instead of running one after the other:
+
+   * **dW** ``(N, K) = dY_kept^T @ X_kept`` on the contiguous rows: output tiles times ``split``
+     slices of the rows. ``split`` is sized on the host from the tile count and the number of SMs
+     (the most the GPU can use); on the device each slice takes ``cdiv(blocks, split)`` of the
+     ``cdiv(count, BLOCK_M)`` row blocks, so few kept rows use few slices and slices with no rows
+     return at once. With ``split > 1`` the slices store float32 partial sums and count their
+     arrival on the tile (an atomic on a zeroed counter); the last to arrive adds the used
+     slices up in slice order (deterministic: results do not depend on scheduling) and stores
+     the tile, so the split costs no second launch, the way stream-K GEMMs fix up their tiles.
+   * **dX** ``(M, K) = dY (M, N) @ W (N, K)``: tiles over (row blocks of the compacted prefix,
+     column blocks of K). A block inside ``[0, count)`` multiplies its contiguous ``dY`` rows by
+     ``W`` and stores the result at rows ``perm[...]`` of ``dX``; a block past ``count`` stores
+     zeros to the dropped rows it holds. Every row of ``dX`` is written exactly once (no memset,
+     no atomics).
+
+   ``dY`` and ``X`` are read through ``perm`` instead of copied where ``dY`` is as wide as a
+   vocabulary (an LM head's), whose copy would be as large as the logits.
+
+   Under a row plan (:func:`sebp_gemms` on the full ``dY``, no select or compact launch) the dW
+   programs of the first column block of ``K`` also sum the ``dY`` columns they load into
+   ``db``, split and fixed up the way their dW tile is: the plan's ``db`` costs no launch and no
+   second read of ``dY``.
+
+Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
+products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
+tables with a per-shape rule (:func:`default_config`).
+
+The kernels also run on CPU under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
+before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .policy import RowPolicy, top_rows
+
+__all__ = [
+    "check_device", "default_config", "interpreter_enabled", "permutation_of", "sebp_gemms", "sebp_grads",
+    "select_rows",
+]
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Triton picks the interpreter when it decorates a kernel, i.e. when this module is imported: the
+# launches follow that choice, not the variable's value at call time (and read no environment).
+_INTERPRET = interpreter_enabled()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _finite_abs(a):
+    """``|a|`` with its NaN/Inf entries as 0, and each row's flag (int32) of holding one: tl.max
+    need not propagate NaN, so they are flagged explicitly (``a != a`` is NaN)."""
+    a = tl.abs(a)
+    bad = (a != a) | (a == float("inf"))
+    return tl.where(bad, 0.0, a), tl.max(bad.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _select_kernel(
+    dy_ptr, keep_ptr, block_counts_ptr, db_partial_ptr, threshold, M, N,
+    stride_dym, stride_dyn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEEP_GIVEN: tl.constexpr, WITH_DB: tl.constexpr,
+):
+    """keep[i] = max_j |dy_ij| > threshold (float32), or row i holds a NaN/Inf; the block's count
+    of kept rows; and (``WITH_DB``) the block's column sums of ``dy``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    score = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    nonfinite = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    if WITH_DB or not KEEP_GIVEN:
+        for n0 in range(0, N, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            a = tl.load(
+                dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+                mask=in_rows[:, None] & (ns[None, :] < N),
+                other=0.0,
+            ).to(tl.float32)
+            if WITH_DB:
+                tl.store(db_partial_ptr + pid * N + ns, tl.sum(a, axis=0), mask=ns < N)
+            if not KEEP_GIVEN:
+                a, chunk_nonfinite = _finite_abs(a)
+                nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
+                score = tl.maximum(score, tl.max(a, axis=1))
+    if KEEP_GIVEN:
+        keep = tl.load(keep_ptr + rows, mask=in_rows, other=0) != 0
+    else:
+        keep = (score > threshold) | (nonfinite > 0)
+        tl.store(keep_ptr + rows, keep.to(tl.int8), mask=in_rows)
+    tl.store(block_counts_ptr + pid, tl.sum((keep & in_rows).to(tl.int32)))
+
+
+@triton.jit
+def _rank_key_kernel(
+    dy_ptr, key_ptr, threshold, M, N, stride_dym, stride_dyn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """A Top-N policy's ranking key of each row in one read of ``dy``: its float32 L2 norm if it
+    is active, ``inf`` if it holds a NaN/Inf, ``-1`` if inactive (:func:`~.policy.top_rows`).
+
+    The norm is summed over the row divided by a power of two near its running max (exact
+    divisions; the sum is rescaled, by a power of two, when the max grows), so no square overflows
+    or underflows, as :func:`~.policy.keep_mask`'s does (one pass where that takes three)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    score = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    nonfinite = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    # The scale starts at the smallest it can be and only grows: every rescale is by a ratio <= 1.
+    scale = tl.full((BLOCK_M,), 2.0 ** -100, dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        a, chunk_nonfinite = _finite_abs(tl.load(
+            dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn,
+            mask=in_rows[:, None] & (ns[None, :] < N),
+            other=0.0,
+        ).to(tl.float32))
+        nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
+        score = tl.maximum(score, tl.max(a, axis=1))
+        # log2(0) is -inf: an all-zero row so far keeps the smallest scale.
+        new_scale = tl.exp2(tl.minimum(tl.maximum(tl.floor(tl.log2(score)), -100.0), 100.0))
+        ratio = scale / new_scale
+        scaled = a / new_scale[:, None]
+        squares = squares * ratio * ratio + tl.sum(scaled * scaled, axis=1)
+        scale = new_scale
+    norm = tl.minimum(scale * tl.sqrt(squares), 3.4028234663852886e38)
+    active = score > threshold
+    key = tl.where(nonfinite > 0, float("inf"), tl.where(active, norm, -1.0))
+    tl.store(key_ptr + rows, key, mask=in_rows)
+
+
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, rows, dest, kept, width, stride_m, stride_k, BLOCK: tl.constexpr):
+    """dst[dest[i], :] = src[rows[i], :] for the kept rows i (dst contiguous, ``width`` columns)."""
+    for c0 in range(0, width, BLOCK):
+        cs = c0 + tl.arange(0, BLOCK)
+        mask = kept[:, None] & (cs[None, :] < width)
+        values = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_m + cs[None, :] * stride_k, mask=mask)
+        tl.store(dst_ptr + dest[:, None].to(tl.int64) * width + cs[None, :], values, mask=mask)
+
+
+@triton.jit
+def _compact_kernel(
+    keep_ptr, block_counts_ptr, perm_ptr, count_ptr,
+    dy_ptr, x_ptr, dy_kept_ptr, x_kept_ptr, db_partial_ptr, db_ptr,
+    M, N, K, num_blocks,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_COPY: tl.constexpr, COUNTS_CHUNK: tl.constexpr,
+    COPY_DY: tl.constexpr, COPY_X: tl.constexpr,
+    WITH_DB: tl.constexpr, BLOCK_DB: tl.constexpr, DB_BLOCKS: tl.constexpr,
+):
+    """perm and count from the blocks' counts; the kept rows of dY and X copied to their slots;
+    ``db`` from the blocks' partial column sums."""
+    pid = tl.program_id(0)
+    # Kept rows in all blocks and in the blocks before this one (a few hundred int32: every
+    # program reads them all rather than waiting on a separate scan).
+    total = tl.zeros((), dtype=tl.int32)
+    before = tl.zeros((), dtype=tl.int32)
+    for b0 in range(0, num_blocks, COUNTS_CHUNK):
+        blocks = b0 + tl.arange(0, COUNTS_CHUNK)
+        counts = tl.load(block_counts_ptr + blocks, mask=blocks < num_blocks, other=0)
+        total += tl.sum(counts)
+        before += tl.sum(tl.where(blocks < pid, counts, 0))
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < M
+    keep = tl.load(keep_ptr + rows, mask=in_rows, other=0).to(tl.int32)
+    kept_through = before + tl.cumsum(keep, axis=0)  # kept rows in [0, i]
+    # Kept row i goes to slot kept_through - 1; dropped row i after all kept rows, at
+    # total + (dropped rows before i) = total + i - kept_through.
+    dest = tl.where(keep > 0, kept_through - 1, total + rows - kept_through)
+    tl.store(perm_ptr + dest, rows, mask=in_rows)
+    if pid == 0:
+        tl.store(count_ptr, total)
+    kept = (keep > 0) & in_rows
+    if COPY_DY:
+        _copy_rows(dy_ptr, dy_kept_ptr, rows, dest, kept, N, stride_dym, stride_dyn, BLOCK_COPY)
+    if COPY_X:
+        _copy_rows(x_ptr, x_kept_ptr, rows, dest, kept, K, stride_xm, stride_xk, BLOCK_COPY)
+    if WITH_DB:
+        # A chunk of BLOCK_DB columns per program (programs take chunks pid, pid + num_blocks, ...):
+        # the blocks' partial sums added in block order, so db does not depend on scheduling.
+        for chunk in range(pid, tl.cdiv(N, BLOCK_DB), num_blocks):
+            cols = chunk * BLOCK_DB + tl.arange(0, BLOCK_DB)
+            acc = tl.zeros((BLOCK_DB,), dtype=tl.float32)
+            for b0 in range(0, num_blocks, DB_BLOCKS):
+                blocks = b0 + tl.arange(0, DB_BLOCKS)
+                partial = tl.load(
+                    db_partial_ptr + blocks[:, None] * N + cols[None, :],
+                    mask=(blocks[:, None] < num_blocks) & (cols[None, :] < N),
+                    other=0.0,
+                )
+                acc += tl.sum(partial, axis=0)
+            tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _source_rows(perm_ptr, slots, kept, GATHER: tl.constexpr):
+    """Rows of ``dy`` and ``x`` holding slots ``slots``: ``perm[slot]`` in the full tensors
+    (``GATHER``), else ``slot`` in the compacted copies."""
+    if GATHER:
+        rows = tl.load(perm_ptr + slots, mask=kept, other=0).to(tl.int64)
+    else:
+        rows = slots.to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _dx_tile(
+    pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
+    perm[slot] of dX; zeros for the slots past ``count`` (dropped rows)."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
+    pid_m = pid // tiles_k
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if pid_m * BLOCK_M < count:
+        kept = slots < count
+        dy_rows = dy_ptr + _source_rows(perm_ptr, slots, kept, GATHER)[:, None] * stride_dym
+        for n0 in range(0, N, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
+            w = tl.load(
+                w_ptr + ns[:, None] * stride_wn + cols[None, :] * stride_wk,
+                mask=(ns[:, None] < N) & (cols[None, :] < K),
+                other=0.0,
+            )
+            if UPCAST:
+                dy, w = dy.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
+    # Slots in [count, M) hold dropped rows: their accumulator stayed zero.
+    tl.store(
+        dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
+        acc.to(dx_ptr.dtype.element_ty),
+        mask=(slots[:, None] < M) & (cols[None, :] < K),
+    )
+
+
+@triton.jit
+def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    """Row blocks per slice and slices in use when ``count`` rows are split ``SPLIT`` ways."""
+    blocks = tl.cdiv(count, BLOCK_M)
+    per_split = tl.maximum(tl.cdiv(blocks, SPLIT), 1)
+    return per_split, tl.cdiv(blocks, per_split)
+
+
+@triton.jit
+def _dw_tile(
+    pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr, count, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_DB: tl.constexpr,
+):
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows.
+
+    With one slice in use the tile goes straight to dW (zeros if no row is kept). With several,
+    each slice stores its float32 partial sum and counts its arrival on the tile; the last to
+    arrive adds the used slices up in slice order (deterministic, whichever slice that is) and
+    stores the tile, so the split costs no second launch.
+
+    ``WITH_DB``: the tiles of the first column block of K also sum the ``dY`` columns they load
+    over the kept rows, which is ``db`` (the dropped rows are zero under a row plan): ``dY`` is
+    read once for both, and the split's partial sums and last arrival serve ``db`` alike.
+    """
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles = tiles_k * tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_s = pid // tiles
+    per_split, used = _split_rows(count, BLOCK_M, SPLIT)
+    if pid_s < tl.maximum(used, 1):
+        start = pid_s * per_split * BLOCK_M
+        end = tl.minimum(count, start + per_split * BLOCK_M)
+        ns = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offsets = ns[:, None] * K + ks[None, :]
+        in_tile = (ns[:, None] < N) & (ks[None, :] < K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        first_k = tile % tiles_k == 0
+        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            slots = m0 + tl.arange(0, BLOCK_M)
+            kept = slots < end
+            rows = _source_rows(perm_ptr, slots, kept, GATHER)
+            dy = tl.load(
+                dy_ptr + rows[:, None] * stride_dym + ns[None, :] * stride_dyn,
+                mask=kept[:, None] & (ns[None, :] < N),
+                other=0.0,
+            )
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=kept[:, None] & (ks[None, :] < K),
+                other=0.0,
+            )
+            if UPCAST:
+                dy, x = dy.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+            if WITH_DB:
+                if first_k:
+                    db_acc += tl.sum(dy.to(tl.float32), axis=0)
+        if used <= 1:
+            tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+            if WITH_DB:
+                if first_k:
+                    tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
+        else:
+            # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
+            slice_size = N * K
+            tl.store(partial_ptr + pid_s * slice_size + offsets, acc, mask=in_tile)
+            if WITH_DB:
+                if first_k:
+                    tl.store(db_partial_ptr + pid_s * N + ns, db_acc, mask=ns < N)
+            # Every thread's partial is stored before the arrival is counted (the atomic releases
+            # them to the GPU, and acquires the other slices' for the last one).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+            if arrived == used - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for s in range(0, used):
+                    # .cg: read at L2, where the other slices' stores are, not through L1.
+                    total += tl.load(partial_ptr + s * slice_size + offsets, mask=in_tile, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(dw_ptr + offsets, total.to(dw_ptr.dtype.element_ty), mask=in_tile)
+                if WITH_DB:
+                    if first_k:
+                        db_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                        for s in range(0, used):
+                            db_total += tl.load(db_partial_ptr + s * N + ns, mask=ns < N, other=0.0,
+                                                cache_modifier=".cg")
+                        tl.store(db_ptr + ns, db_total.to(db_ptr.dtype.element_ty), mask=ns < N)
+
+
+@triton.jit
+def _grads_kernel(
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
+    db_ptr, db_partial_ptr, M, N, K, dw_programs,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
+    DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
+    DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start; with
+    ``WITH_DB`` some also sum db), then dX's. One launch, so that with few kept rows the two
+    small GEMMs share the GPU."""
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    dx_pid = pid
+    if DO_DW:
+        dx_pid = pid - dw_programs
+        if pid < dw_programs:
+            _dw_tile(
+                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
+                count, N, K, stride_dym, stride_dyn, stride_xm, stride_xk,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST, WITH_DB,
+            )
+    if DO_DX:
+        if dx_pid >= 0:
+            _dx_tile(
+                dx_pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+                stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST,
+            )
+
+
+# ----------------------------------------------------------------------------- tiles
+
+# Per operand width, the tiles of both GEMMs of the one launch. BLOCK_M spans rows of dY, BLOCK_N
+# its columns (out features), BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over
+# N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The "narrow" dX tile applies where
+# dX has at most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
+_TILES = {
+    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128),
+    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+    ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+    ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64),
+    ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64),
+}
+_LAUNCH = {2: dict(num_warps=8, num_stages=3), 4: dict(num_warps=4, num_stages=3)}
+# Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
+# CPU tests fast while still splitting odd shapes into several partial blocks.
+_INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
+_SELECT_TILES = dict(BLOCK_M=32, BLOCK_N=256, num_warps=4)
+_INTERPRETER_SELECT_TILES = dict(BLOCK_M=16, BLOCK_N=64)
+_MAX_SPLIT = 8
+_INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
+
+
+def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
+    """Tiles and launch options of the GEMM launch for an operand dtype: ``{"dx": tile, "dw":
+    tile, "launch": {num_warps, num_stages}}``. ``out_columns`` is dX's ``K``, which picks the
+    narrow dX tile where it is small. ``benchmarks/layer_torch.py --tune`` times alternatives.
+    """
+    if interpret:
+        return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
+    width = dtype.itemsize
+    narrow = ("dx", width, "narrow")
+    dx = _TILES[narrow] if out_columns <= 1024 and narrow in _TILES else _TILES["dx", width]
+    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
+
+
+def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
+    """Row slices of dW: about two programs per SM over the output tiles, at most one per block."""
+    sms = _INTERPRETER_SMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(_MAX_SPLIT, round(2 * sms / tiles), row_blocks))
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    """``tl.dot`` options: IEEE float32 products, and float32 operands under the interpreter.
+
+    Triton's interpreter computes ``tl.dot`` on bfloat16 operands wrongly (seen with Triton 3.9),
+    so there the operands are widened first: products of 16-bit floats are exact in float32, so
+    the result is the same up to summation order, and every gather, mask and store is still the
+    kernel's own.
+    """
+    upcast = _INTERPRET and dtype != torch.float32
+    return dict(INPUT_PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32", UPCAST=upcast)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raises unless CUDA or the interpreter can run a launch on ``tensors``."""
+    if not _INTERPRET and any(t.device.type != "cuda" for t in tensors):
+        raise ValueError(
+            "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton is "
+            f"imported to run the kernels on CPU; got tensors on {tensors[0].device}."
+        )
+
+
+# ----------------------------------------------------------------------------- launch plans
+
+# Everything about a launch that the shapes, dtype and device decide (tiles, grids, dW's split,
+# workspace layout, ``tl.dot`` options) is worked out once per shape and cached, so that a
+# backward's host work is a few allocations and the launches themselves: with a few launches of
+# small kernels per layer, host time per layer, not GPU time, is what BERT-base's step waits on.
+
+_ALIGN = 4  # int32 slots per 16 bytes: workspace slices start where Triton's pointer
+#             specialisation (16-byte alignment) expects them to
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelectPlan:
+    """The select and compact launches over ``M`` rows, and their int32 workspace: ``perm``
+    ``[0, M)``, ``count`` at ``count_at``, the blocks' counts at ``counts_at``, the int8 keep flags
+    packed four to a slot at ``keep_at``."""
+
+    grid: tuple[int]
+    num_blocks: int
+    select: dict  # constexprs and launch options of _select_kernel
+    compact: dict  # of _compact_kernel, but for COPY_DY / COPY_X / WITH_DB
+    count_at: int
+    counts_at: int
+    keep_at: int
+    size: int
+
+
+@functools.lru_cache(maxsize=None)
+def _select_plan(M: int) -> _SelectPlan:
+    tiles = dict(_INTERPRETER_SELECT_TILES if _INTERPRET else _SELECT_TILES)
+    num_blocks = triton.cdiv(M, tiles["BLOCK_M"])
+    compact = dict(
+        BLOCK_M=tiles["BLOCK_M"], BLOCK_COPY=64 if _INTERPRET else 256, COUNTS_CHUNK=64 if _INTERPRET else 1024,
+        BLOCK_DB=16 if _INTERPRET else 64, DB_BLOCKS=4 if _INTERPRET else 64, num_warps=4,
+    )
+    count_at = _aligned(M)
+    counts_at = count_at + _ALIGN
+    keep_at = _aligned(counts_at + num_blocks)
+    return _SelectPlan((num_blocks,), num_blocks, tiles, compact, count_at, counts_at, keep_at,
+                       keep_at + _aligned(triton.cdiv(M, 4)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmPlan:
+    """The GEMM launch for one shape."""
+
+    grid: tuple[int]
+    dw_programs: int
+    dw_tiles: int
+    split: int
+    gemm: dict  # constexprs and launch options of _grads_kernel
+
+
+def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device, config) -> _GemmPlan:
+    dx_tile, dw_tile = config["dx"], config["dw"]
+    dx_programs = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"]) if do_dx else 0
+    dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
+    split = _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), device) if do_dw else 1
+    dw_programs = dw_tiles * split if do_dw else 0
+    gemm = dict(
+        DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
+        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
+        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, **_dot_options(dtype), **config["launch"],
+    )
+    return _GemmPlan((dw_programs + dx_programs,), dw_programs, dw_tiles, split, gemm)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device) -> _GemmPlan:
+    """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
+    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device,
+                            default_config(dtype, K, _INTERPRET))
+
+
+# ----------------------------------------------------------------------------- launches
+
+def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool):
+    """``(perm, count, dy_kept, x_kept, db)``: the select and compact launches over the rows of
+    ``dy`` (``(M, N)``, ``M > 0``).
+
+    ``keep``: ``(M,)`` bool flags to take as given, or ``None`` to score ``dy`` under ``policy``.
+    With ``copy``, ``dy_kept``/``x_kept`` are ``(M, ·)`` buffers whose first ``count`` rows are the
+    kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``); without, both ``None``.
+    ``db`` (``(N,)`` in ``bias_dtype``, the full column sum of ``dy``) where ``bias_dtype`` is given.
+    """
+    M, N = dy.shape
+    K = 0 if x is None else x.shape[1]
+    plan = _select_plan(M)
+    device = dy.device
+    work = torch.empty(plan.size, dtype=torch.int32, device=device)
+    perm, count = work[:M], work[plan.count_at:plan.count_at + 1]
+    block_counts = work[plan.counts_at:plan.counts_at + plan.num_blocks]
+    flags = work[plan.keep_at:].view(torch.int8)[:M]
+    if keep is not None:
+        flags.copy_(keep)
+    with_db = bias_dtype is not None
+    db_partial = torch.empty((plan.num_blocks, N), dtype=torch.float32, device=device) if with_db else work
+    _select_kernel[plan.grid](
+        dy, flags, block_counts, db_partial, policy.threshold, M, N, dy.stride(0), dy.stride(1),
+        KEEP_GIVEN=keep is not None, WITH_DB=with_db, **plan.select,
+    )
+    dy_kept = x_kept = None
+    if copy:
+        # One buffer for both copies; x's part starts 16-byte aligned.
+        x_at = -(-M * N * dy.element_size() // 16) * 16 // dy.element_size()
+        kept = torch.empty(x_at + M * K, dtype=dy.dtype, device=device)
+        dy_kept = kept[:M * N].view(M, N)
+        x_kept = None if x is None else kept[x_at:].view(M, K)
+    db = torch.empty(N, dtype=bias_dtype, device=device) if with_db else None
+    _compact_kernel[plan.grid](
+        flags, block_counts, perm, count,
+        dy, dy if x is None else x, work if dy_kept is None else dy_kept, work if x_kept is None else x_kept,
+        db_partial, work if db is None else db,
+        M, N, K, plan.num_blocks,
+        dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
+        COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=with_db, **plan.compact,
+    )
+    return perm, count, dy_kept, x_kept, db
+
+
+def select_rows(dy: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)`` of :func:`~sebp_torch_ref.policy.active_first_permutation` applied to
+    :func:`~sebp_torch_ref.policy.keep_mask`: the select and compact launches, copying nothing.
+
+    Args:
+        dy: ``(M, N)`` output gradient.
+        policy: the :class:`RowPolicy`; ``max_rows`` policies rank the rows first.
+
+    Returns:
+        ``perm`` ``(M,)`` int32 and ``count`` ``(1,)`` int32, both on ``dy``'s device.
+    """
+    check_device(dy)
+    if dy.shape[0] == 0:
+        return (torch.empty(0, dtype=torch.int32, device=dy.device),
+                torch.zeros(1, dtype=torch.int32, device=dy.device))
+    perm, count, *_ = _select_and_compact(dy, None, _given_keep(dy, policy), policy, None, False)
+    return perm, count
+
+
+def permutation_of(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, count)`` of :func:`~sebp_torch_ref.policy.active_first_permutation` of a ``(M,)``
+    bool mask, by the compact launch (a row plan's rows, made once per step)."""
+    check_device(keep)
+    if keep.shape[0] == 0:
+        return (torch.empty(0, dtype=torch.int32, device=keep.device),
+                torch.zeros(1, dtype=torch.int32, device=keep.device))
+    perm, count, *_ = _select_and_compact(keep[:, None], None, keep, RowPolicy(), None, False)
+    return perm, count
+
+
+def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
+    """The keep flags of a Top-N policy: each row's ranking key in one launch, then the Top-N by
+    torch ops on the device; ``None`` where the select launch scores the rows itself."""
+    if policy.max_rows is None or policy.max_rows >= dy.shape[0]:
+        return None
+    M, N = dy.shape
+    plan = _select_plan(M)
+    keys = torch.empty(M, dtype=torch.float32, device=dy.device)
+    _rank_key_kernel[plan.grid](dy, keys, policy.threshold, M, N,
+                                dy.stride(0), dy.stride(1), **plan.select)
+    return top_rows(keys, policy.max_rows)
+
+
+def sebp_gemms(
+    dy: torch.Tensor,
+    weight: torch.Tensor | None,
+    x: torch.Tensor | None,
+    perm: torch.Tensor,
+    count: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    compacted: bool,
+    bias_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero), ``dW = (dY * keep[:, None])^T @ X``
+    (a sum over the kept rows only) and, with ``bias_dtype``, ``db = sum(dY * keep[:, None])``,
+    in one launch (and a memset where dW is split over rows): dW's programs sum ``db`` from the
+    rows of ``dY`` they load, so ``dY`` is not read a second time.
+
+    Args:
+        dy: ``(M, N)``: the output gradient (``compacted=False``: its kept rows are read through
+            ``perm``) or its compacted copy (``compacted=True``: the first ``count`` rows are the
+            kept rows in ``perm`` order; the rest is never read).
+        weight: ``(N, K)`` weight in torch layout (out, in), same dtype as ``dy``; ``None``: no dX.
+        x: ``(M, K)`` layer input, full or compacted as ``dy`` is; ``None``: no dW.
+        perm: ``(M,)`` int32 active-first permutation.
+        count: ``(1,)`` int32 number of kept rows (device tensor).
+        out_dtype: dtype of dW (the weight's).
+        compacted: whether ``dy`` and ``x`` are the compacted copies.
+        bias_dtype: ``db``'s dtype, or ``None`` for no ``db``; needs ``x`` (dW's programs sum it).
+        config: :func:`default_config`'s form; ``None`` takes the default.
+
+    Returns:
+        ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``out_dtype`` and ``db`` ``(N,)``
+        in ``bias_dtype`` (accumulated in float32), each ``None`` where not asked for.
+    """
+    check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
+    if bias_dtype is not None and x is None:
+        raise ValueError("sebp_gemms: `bias_dtype` needs `x`: db is summed by dW's programs.")
+    M, N = dy.shape
+    K = (weight if weight is not None else x).shape[1]
+    device = dy.device
+    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=device)
+    dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=device)
+    db = None if bias_dtype is None else torch.empty(N, dtype=bias_dtype, device=device)
+    if M * N * K == 0:
+        if db is not None and M * N:  # no in-features: no dW programs to sum db (a K = 0 layer)
+            raise ValueError("sebp_gemms: `bias_dtype` needs in-features (K > 0).")
+        return tuple(None if t is None else t.zero_() for t in (dx, dw, db))
+    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted, device)
+    plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
+    partial = arrivals = db_partial = count
+    if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
+        partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+        arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
+        if db is not None:
+            db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
+    _grads_kernel[plan.grid](
+        dy, dy if weight is None else weight, dy if x is None else x, perm, count,
+        dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
+        count if db is None else db, db_partial, M, N, K, plan.dw_programs,
+        dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
+        *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
+        **plan.gemm,
+    )
+    return dx, dw, db
+
+
+# The kept rows of dY and X are copied to contiguous buffers unless dY is as wide as a vocabulary:
+# an LM head's (M, 128k) gradient would need a second buffer of the logits' size. The GEMMs then
+# read both through perm (`benchmarks/layer_torch.py` times both ways: `sebp_triton_gather`).
+_MAX_COPIED_COLUMNS = 16384
+
+
+def sebp_grads(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    policy: RowPolicy,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dX, dW, db)`` of one linear layer's SEBP backward, each only where asked for.
+
+    Args:
+        dy: ``(M, N)`` output gradient.
+        x: ``(M, K)`` layer input, or ``None`` if ``dW`` is not needed.
+        weight: ``(N, K)`` weight, or ``None`` if ``dX`` is not needed.
+        policy: which rows of ``dy`` are kept.
+        bias_dtype: ``db``'s dtype, or ``None`` if ``db`` is not needed.
+
+    Returns:
+        ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``x``'s dtype, and ``db`` ``(N,)``
+        (the full column sum of ``dy``, accumulated in float32).
+    """
+    check_device(*(t for t in (dy, x, weight) if t is not None))
+    M, N = dy.shape
+    if x is None and weight is None:  # only db: no rows to select
+        return None, None, None if bias_dtype is None else dy.sum(0, dtype=torch.float32).to(bias_dtype)
+    if M == 0:
+        dx = None if weight is None else dy.new_zeros(0, weight.shape[1])
+        dw = None if x is None else torch.zeros((N, x.shape[1]), dtype=x.dtype, device=dy.device)
+        db = None if bias_dtype is None else torch.zeros(N, dtype=bias_dtype, device=dy.device)
+        return dx, dw, db
+    copy = N <= _MAX_COPIED_COLUMNS
+    perm, count, dy_kept, x_kept, db = _select_and_compact(
+        dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
+    dx, dw, _ = sebp_gemms(
+        dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
+        dy.dtype if x is None else x.dtype, compacted=copy,
+    )
+    return dx, dw, db
