@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
+from sebp_jax.models.cross_entropy import token_cross_entropy
 from sebp_jax.models.embedding import Embed
 from sebp_jax.models.inputs import token_inputs
 from sebp_jax.models.rms_norm import RMSNorm
@@ -346,10 +347,12 @@ def causal_lm_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
       f"`logits` must be (B, T, V) and `labels` (B, T); got {logits.shape} and {labels.shape}.")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"`labels` must be integer token ids, got {labels.dtype}.")
-  logits = logits[:, :-1].astype(jnp.float32)
-  targets = labels[:, 1:]
+  batch, length, vocab = logits.shape
+  # Every position gets a target, the last one none (weight 0), so the logits are not sliced:
+  # their gradient comes back whole, not padded back to the full length by a copy.
+  targets = jnp.concatenate(
+    [labels[:, 1:], jnp.full((batch, 1), IGNORE_INDEX, labels.dtype)], axis=1).reshape(-1)
   valid = targets != IGNORE_INDEX
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  picked = jnp.take_along_axis(logp, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
-  total = -jnp.sum(jnp.where(valid, picked, 0.0))
+  total = token_cross_entropy(logits.reshape(batch * length, vocab), jnp.where(valid, targets, 0),
+                              valid.astype(jnp.float32))
   return total / jnp.maximum(jnp.sum(valid), 1)
