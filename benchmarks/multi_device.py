@@ -348,6 +348,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
   args = _parser().parse_args(argv)
+  if args.workloads < 1 or args.steps < 1 or args.warmup < 0:
+    raise SystemExit("--workloads and --steps must be >= 1, --warmup >= 0")
+  if args.pgle and args.warmup < 1:
+    raise SystemExit("--pgle needs --warmup >= 1: the first warm-up call recompiles each program")
   import jax
 
   from benchmarks.timing import environment
@@ -356,10 +360,6 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
   devices = available if args.devices is None else args.devices
   if not 2 <= devices <= available:
     raise SystemExit(f"--devices must be between 2 and the {available} devices here")
-  if args.workloads < 1 or args.steps < 1 or args.warmup < 0:
-    raise SystemExit("--workloads and --steps must be >= 1, --warmup >= 0")
-  if args.pgle and args.warmup < 1:
-    raise SystemExit("--pgle needs --warmup >= 1: the first warm-up call recompiles each program")
   if args.pgle:
     jax.config.update("jax_enable_pgle", True)
     jax.config.update("jax_pgle_profiling_runs", 1)

@@ -135,3 +135,11 @@ def test_benchmark_summary_from_rows(tmp_path):
   # step − fwd − bwd, e.g. 8.0 − 1.0 − 2.0 for one device's SEBP row; none where a time is missing
   assert "| 2.00 | 8.00 | 5.00 |" in paths[1].read_text()
   assert multi_device.rest_ms({**rows[0], "step_ms": None}) is None
+
+
+def test_benchmark_rejects_pgle_without_a_warm_up_step():
+  from benchmarks import multi_device
+
+  # Checked before any device is looked at: each program's first warm-up call is its recompile.
+  with pytest.raises(SystemExit, match="--pgle needs --warmup >= 1"):
+    multi_device.main(["--pgle", "--warmup", "0", "--tiny"])
