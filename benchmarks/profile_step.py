@@ -8,6 +8,11 @@ XLA's own fusions. Beside ``jax-bound`` (every linear backward free), the famili
 variant say which kernels take the time that separates it from the bound; the difference between
 ``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
 
+Each of XLA's fusions in the kernel tables is named with the model op it came from (its
+instruction's ``op_name`` in the optimized HLO, e.g. ``bwd LlamaForCausalLM/model/layers_*/
+input_layernorm/mul``: XLA launches one kernel for identical fusions of every layer, so layer
+numbers are starred).
+
 Usage (writes ``profile_llama_b1_piqa.json`` and ``.md`` under ``--out-dir``; with ``--hlo``
 also each variant's optimized HLO, ``hlo_llama_b1_piqa_<variant>.txt.gz``, where the fusions of
 the kernel table are found by name)::
@@ -24,6 +29,7 @@ import collections
 import gzip
 import json
 import pathlib
+import re
 import statistics
 import tempfile
 from typing import Any, Callable, Iterable, Sequence
@@ -34,7 +40,7 @@ from benchmarks.workloads import (
   single_workload_parser, versions_text, xla_flags_text,
 )
 
-__all__ = ["family_times", "gpu_kernel_events", "kernel_family", "kernel_times",
+__all__ = ["family_times", "fusion_sources", "gpu_kernel_events", "kernel_family", "kernel_times",
            "memset_neighbours", "per_kernel_times", "profile_variant",
            "traced_events", "traced_kernel_times", "variant_entry", "markdown_report"]
 
@@ -116,6 +122,29 @@ def memset_neighbours(kernel_events: Iterable[dict], calls: int, *,
   return [[before, after, us / 1e3 / calls, n / calls] for (before, after), (us, n) in ranked]
 
 
+# `%name = <shape> fusion(...), ..., metadata={op_name="..." ...}`: an instruction that XLA
+# launches as a kernel named `name` with dots as underscores.
+_FUSION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*? fusion\([^\n]*?op_name="([^"]+)"', re.M)
+_WRAPPERS = re.compile(r"^(?:\w+\()+")  # jit(, transpose(jvp(, ... around a path segment
+_LAYER_INDEX = re.compile(r"\b(layers?)_\d+\b")
+
+
+def _source(op_name: str) -> str:
+  """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` → ``bwd Model/model/layers_*/mlp/mul``:
+  the jitted function's name dropped, transforms unwrapped, ``bwd`` where the op is autodiff's
+  transpose, layer numbers starred."""
+  segments = op_name.split("/")[1:]
+  backward = any(segment.startswith("transpose(") for segment in segments)
+  path = "/".join(filter(None, (_WRAPPERS.sub("", segment).rstrip(")") for segment in segments)))
+  return ("bwd " if backward else "fwd ") + _LAYER_INDEX.sub(r"\1_*", path)
+
+
+def fusion_sources(hlo: str) -> dict[str, str]:
+  """Kernel name (as traces show it) → the model op each fusion of an optimized HLO module came
+  from (:func:`_source` of its ``op_name``). Fusions without ``op_name`` are left out."""
+  return {name.replace(".", "_"): _source(op_name) for name, op_name in _FUSION.findall(hlo)}
+
+
 def family_times(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
   """``kernels`` (name -> (ms, launches)) summed per :func:`kernel_family`, largest first."""
   families: dict[str, float] = collections.defaultdict(float)
@@ -185,8 +214,8 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   grad_fn = jax.jit(value_and_grad)
   warm, timed = batches[0], batches[1:]
   jax.block_until_ready(grad_fn(params, warm))
-  if hlo_path is not None:  # the same program: the compile is a cache hit
-    hlo = grad_fn.lower(params, warm).compile().as_text()
+  hlo = grad_fn.lower(params, warm).compile().as_text()  # the same program: a cache hit
+  if hlo_path is not None:
     hlo_path.write_bytes(gzip.compress(hlo.encode()))
   walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
   events = gpu_kernel_events(traced_events(
@@ -195,14 +224,17 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
   return variant_entry(variant.name, walls, per_kernel_times(events, len(timed)),
-                       memset_neighbours(events, len(timed)))
+                       memset_neighbours(events, len(timed)), fusion_sources(hlo))
 
 
 def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[float, float]],
-                  memsets: list[list] | None = None) -> dict:
+                  memsets: list[list] | None = None,
+                  sources: dict[str, str] | None = None) -> dict:
   """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
-  ``kernels`` (name -> (ms, launches) per call) summed per family, the top kernels, and
-  ``memsets`` (:func:`memset_neighbours`) where given."""
+  ``kernels`` (name -> (ms, launches) per call) summed per family, the top kernels (each with
+  its model op from ``sources``, :func:`fusion_sources`, or ``""``), and ``memsets``
+  (:func:`memset_neighbours`) where given."""
+  sources = sources or {}
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
     "variant": name,
@@ -210,7 +242,8 @@ def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[fl
     "busy_ms": sum(ms for ms, _ in kernels.values()),
     "launches": sum(n for _, n in kernels.values()),
     "families": family_times(kernels),
-    "kernels": [[kernel, kernel_family(kernel), ms, n] for kernel, (ms, n) in ranked[:_TOP]],
+    "kernels": [[kernel, kernel_family(kernel), ms, n, sources.get(kernel, "")]
+                for kernel, (ms, n) in ranked[:_TOP]],
     **({} if memsets is None else {"memsets": memsets}),
   }
 
@@ -238,10 +271,15 @@ def markdown_report(result: dict) -> str:
                            ("launches", "kernel launches", ".0f")):
     lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
   for v in variants:
-    lines += ["", f"## {v['variant']}: top {len(v['kernels'])} kernels", "",
-              "| kernel | family | ms | launches |", "|---|---|---|---|"]
+    # Five fields per kernel, the model op last ("" where none: cuBLAS, Pallas, torch's
+    # kernels); results written before that field have four. No op at all: no column.
+    kernels = [(*k, "")[:5] for k in v["kernels"]]
+    ops = any(source for *_, source in kernels)
+    lines += ["", f"## {v['variant']}: top {len(kernels)} kernels", "",
+              "| kernel | family | ms | launches |" + (" model op |" if ops else ""),
+              "|---|---|---|---|" + ("---|" if ops else "")]
     lines += [f"| `{name[:90]}` | {family} | {ms:.3f} | {n:.0f} |"
-              for name, family, ms, n in v["kernels"]]
+              + (f" {source[:100]} |" if ops else "") for name, family, ms, n, source in kernels]
     if v.get("memsets"):
       lines += ["", f"Memsets of at least {_LARGE_MEMSET_US:g} µs, by the kernels just before "
                 "and after them on the stream:", "",

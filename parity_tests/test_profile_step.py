@@ -133,3 +133,45 @@ def test_profile_without_a_gpu_stops_and_says_so(tmp_path):
   # The HLO is written before the trace: the program's own, with the model's op names in it.
   hlo = gzip.decompress((tmp_path / "hlo_bert_tiny_b2_trec_jax-dense.txt.gz").read_bytes()).decode()
   assert hlo.startswith("HloModule") and "ENTRY" in hlo and "BertForSequenceClassification" in hlo
+
+
+# Lines in the shape of an optimized HLO module of the LLaMA step (jax 0.11.2, H100).
+_HLO = '''HloModule jit_sparse
+%fused_pad (param_0.1: f32[4,8]) -> bf16[4,8] {
+  %exp.57.7 = f32[4,8]{1,0} exponential(%param_0.1), metadata={op_name="jit(sparse)/transpose(jvp(jit(log_softmax)))/exp"}
+}
+ENTRY %main {
+  %input_add_reduce_fusion.6 = (f32[4096]{0}, bf16[4096,3072]{1,0}) fusion(%a, %b), kind=kInput, calls=%fused_add_reduce.6, metadata={op_name="jit(sparse)/transpose(jvp(LlamaForCausalLM))/model/layers_3/input_layernorm/mul" scheduling_name="input_add_reduce_fusion.6"}, backend_config={}
+  %loop_multiply_fusion_27 = bf16[4096,8192]{1,0} fusion(%c), kind=kLoop, calls=%fused_multiply, metadata={op_name="jit(sparse)/jvp(LlamaForCausalLM)/model/layers_12/mlp/mul"}
+  ROOT %loop_pad_fusion = bf16[1,4096,128256]{2,1,0} fusion(%d), kind=kLoop, calls=%fused_pad, metadata={op_name="jit(sparse)/transpose(jvp())/pad" stack_frame_id=34}
+  %pallas_call.985 = bf16[4096,3072]{1,0} custom-call(%e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(sparse)/sebp_dx/pallas_call"}
+  %fusion.9 = f32[8]{0} fusion(%f), kind=kLoop, calls=%fused_computation
+}
+'''
+
+
+def test_fusion_sources_name_each_kernel_with_its_model_op():
+  assert profile_step.fusion_sources(_HLO) == {
+    "input_add_reduce_fusion_6": "bwd LlamaForCausalLM/model/layers_*/input_layernorm/mul",
+    "loop_multiply_fusion_27": "fwd LlamaForCausalLM/model/layers_*/mlp/mul",
+    "loop_pad_fusion": "bwd pad",
+  }  # not the fused computations' own ops, not custom calls, not fusions without an op_name
+
+
+def test_top_kernels_show_their_model_op_and_old_results_still_render():
+  kernels = {"loop_pad_fusion": (1.3, 1.0), "sebp_dx": (0.5, 28.0)}
+  entry = profile_step.variant_entry("v", [2.0], kernels,
+                                     sources=profile_step.fusion_sources(_HLO))
+  assert entry["kernels"] == [["loop_pad_fusion", profile_step.OTHER, 1.3, 1.0, "bwd pad"],
+                              ["sebp_dx", "SEBP dX", 0.5, 28.0, ""]]
+  result = {"benchmark": "llama", "gpu": "H100", "dtype": "bfloat16", "batch": 1, "seq_len": 8,
+            "workload": "piqa", "active_fraction": 0.02, "traced_calls": 1,
+            "versions": {"jax": "0"}, "variants": [entry]}
+  report = profile_step.markdown_report(result)
+  assert "| kernel | family | ms | launches | model op |" in report
+  assert "| `loop_pad_fusion` | XLA fusions, other | 1.300 | 1 | bwd pad |" in report
+  assert "| `sebp_dx` | SEBP dX | 0.500 | 28 |  |" in report
+  legacy = {**entry, "kernels": [k[:4] for k in entry["kernels"]]}  # a v15 result file
+  report = profile_step.markdown_report({**result, "variants": [legacy]})
+  assert "| kernel | family | ms | launches |\n" in report
+  assert "| `loop_pad_fusion` | XLA fusions, other | 1.300 | 1 |\n" in report
