@@ -26,6 +26,7 @@ from sebp_jax.models.inputs import token_inputs
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification"]
 
+
 def _gelu_erf(x: jax.Array) -> jax.Array:
   """The exact GELU as HF's torch ``gelu`` computes it: ``0.5 x (1 + erf(x / √2))`` in float32.
 
