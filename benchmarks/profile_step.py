@@ -124,14 +124,15 @@ def memset_neighbours(kernel_events: Iterable[dict], calls: int, *,
 
 # `%name = <shape> fusion(...), ..., metadata={op_name="..." ...}`: an instruction that XLA
 # launches as a kernel named `name` with dots as underscores.
-_FUSION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*? fusion\([^\n]*?op_name="([^"]+)"', re.M)
+_FUSION = re.compile(
+  r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*? fusion\([^\n]*?op_name="([^"]+)"', re.M)
 _WRAPPERS = re.compile(r"^(?:\w+\()+")  # jit(, transpose(jvp(, ... around a path segment
 _LAYER_INDEX = re.compile(r"\b(layers?)_\d+\b")
 
 
 def _source(op_name: str) -> str:
-  """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` → ``bwd Model/model/layers_*/mlp/mul``:
-  the jitted function's name dropped, transforms unwrapped, ``bwd`` where the op is autodiff's
+  """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` →
+  ``bwd Model/model/layers_*/mlp/mul``: the jitted function's name dropped, transforms unwrapped, ``bwd`` where the op is autodiff's
   transpose, layer numbers starred."""
   segments = op_name.split("/")[1:]
   backward = any(segment.startswith("transpose(") for segment in segments)

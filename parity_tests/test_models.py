@@ -91,7 +91,8 @@ def test_bert_gelu_matches_torch_gelu_and_its_gradient(dtype):
   form it replaced (``nn.gelu(approximate=False)``), where torch's CPU kernel gives NaN for +inf."""
   rng = np.random.default_rng(0)
   special = [0.0, -0.0, 1e-30, -1e-30, 5.5, -5.5, 40.0, -40.0, 1e30, -1e30, np.nan]
-  x32 = np.concatenate([special, 3 * rng.standard_normal(500), [np.inf, -np.inf]]).astype(np.float32)
+  x32 = np.concatenate([special, 3 * rng.standard_normal(500), [np.inf, -np.inf]])
+  x32 = x32.astype(np.float32)
   dy32 = rng.standard_normal(x32.shape).astype(np.float32)
   x, dy = jnp.asarray(x32, dtype), jnp.asarray(dy32, dtype)
   y, dx = _value_and_vjp(bert_module._ACTIVATIONS["gelu"], x, dy)
@@ -100,7 +101,8 @@ def test_bert_gelu_matches_torch_gelu_and_its_gradient(dtype):
   ty = torch.nn.functional.gelu(tx)
   ty.backward(torch.tensor(np.asarray(dy, np.float32)).to(getattr(torch, dtype)))
   finite_or_nan = ~np.isinf(x32)
-  assert_close(y[finite_or_nan], ty.detach().float().numpy()[finite_or_nan], dtype, what=f"gelu({dtype})")
+  assert_close(y[finite_or_nan], ty.detach().float().numpy()[finite_or_nan], dtype,
+               what=f"gelu({dtype})")
   assert_close(dx[finite_or_nan], tx.grad.float().numpy()[finite_or_nan], dtype,
                what=f"d gelu({dtype})")
   y_erfc, dx_erfc = _value_and_vjp(lambda v: jax.nn.gelu(v, approximate=False), x, dy)
