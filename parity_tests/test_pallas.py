@@ -437,3 +437,77 @@ def test_bad_crossover_is_named(crossover):
     sebp_matmul(x, jnp.ones((3, 2)), crossover=crossover)
   with pytest.raises(ValueError, match="`crossover`"):
     SEBPDotGeneral(crossover=crossover)
+
+
+# The sibling accumulation: a second projection of the same input adds its dx into the first
+# one's buffer. Each sibling keeps its own rows (per-layer scoring: other rows than the first),
+# so rows the second drops keep the first one's values and rows it keeps get the sum.
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("split", SPLITS, ids=_split_id)
+@pytest.mark.parametrize("count", [0, 17, 75])
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_dx_into_adds_a_sibling_dx_in_place(interpret, split, count, kernel_nk):
+  rng = np.random.default_rng(count + 7)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  first = np.sort(rng.choice(75, 30, replace=False))
+  second = np.sort(rng.choice(75, count, replace=False))
+  x, kernel, dy = _case(rng, 75, 37, 60, first, jnp.float32)
+  _, kernel2, dy2 = _case(rng, 75, 37, 44, second, jnp.float32)
+  precision = jax.lax.Precision.HIGHEST
+
+  def backward(k, d, dx_into=None):
+    return pallas_backend.backward(x, k.T if kernel_nk else k, d, policy=RowPolicy(),
+                                   precision=precision, interpret=interpret, config=config,
+                                   kernel_nk=kernel_nk, dx_into=dx_into)
+
+  dx, dw = jax.jit(lambda: (lambda first_dx: backward(kernel2, dy2, first_dx[0]))(
+    backward(kernel, dy)))()
+  want_dx1, _ = sebp_reference(x, kernel, None, dy, 0.0, None)
+  want_dx2, want_dw2 = sebp_reference(x, kernel2, None, dy2, 0.0, None)
+  assert_close(dx, np.asarray(want_dx1, np.float64) + np.asarray(want_dx2, np.float64),
+               jnp.float32, what="summed dx")
+  assert_close(dw, want_dw2.T if kernel_nk else want_dw2, jnp.float32, what="dw")
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [10, 70])
+def test_dx_into_through_the_dense_branch(interpret, count):
+  # Past the crossover the dense branch runs, and still adds dx_into.
+  rng = np.random.default_rng(count)
+  x, kernel, dy = _case(rng, 75, 37, 60, np.arange(count), jnp.float32)
+  into = jnp.asarray(rng.standard_normal((75, 37)), jnp.float32)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "crossover": 0.5})
+  dx, _ = jax.jit(lambda: pallas_backend.backward(
+    x, kernel, dy, policy=RowPolicy(), precision=jax.lax.Precision.HIGHEST,
+    interpret=interpret, config=config, dx_into=into))()
+  want_dx, _ = sebp_reference(x, kernel, None, dy, 0.0, None)
+  assert_close(dx, np.asarray(into, np.float64) + np.asarray(want_dx, np.float64), jnp.float32)
+
+
+def test_dx_into_is_checked():
+  x = jnp.ones((32, 16)); kernel = jnp.ones((16, 32)); dy = jnp.ones((32, 32))
+  with pytest.raises(ValueError, match="`dx_into` needs `kernel`"):
+    pallas_backend.backward(x, None, dy, policy=RowPolicy(), interpret=True,
+                            config=SMALL_TILES, dx_into=jnp.zeros((32, 16)))
+  with pytest.raises(ValueError, match="`accumulator` must be float32\\[32, 16\\]"):
+    pallas_backend.backward(x, kernel, dy, policy=RowPolicy(), interpret=True,
+                            config=SMALL_TILES, dx_into=jnp.zeros((32, 16), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False)],
+                         ids=["plain", "dx_split", "in_place"])
+def test_accumulating_dx_lowers_to_triton_ir(split):
+  from jax import export
+
+  config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
+                                         "crossover": 1.0})
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((512, 192), (192, 320), (512, 320), (512, 192))]
+  backward = jax.jit(lambda x, k, dy, into: pallas_backend.backward(
+    x, k, dy, policy=RowPolicy(), config=config, dx_into=into))
+  exported = export.export(
+    backward, platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+  # Partition, gather (where compacted), dX, dW, and the split dX's reduction.
+  expected = 3 + config.compact + (config.dx_split > 1)
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected

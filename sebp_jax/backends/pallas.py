@@ -437,9 +437,10 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int
   return jnp.minimum(jnp.maximum(programs // jnp.maximum(live_tiles, 1), 1), split)
 
 
-def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
+def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               programs: int, split: int, compact: bool = True, kernel_nk: bool = False):
+               programs: int, split: int, compact: bool = True, kernel_nk: bool = False,
+               accumulate: bool = False):
   """One persistent program of the dX GEMM: it works through its share of the launch's
   *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
   zero items), then exits.
@@ -458,7 +459,17 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
 
   ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``. ``kernel``: ``(K, N)``,
   or ``(N, K)`` with ``kernel_nk``.
+
+  With ``accumulate``, ``refs`` starts with the accumulator, an input whose buffer ``dx`` is
+  (``input_output_aliases``): each live tile's product is added to the rows it holds there, and
+  no zero item runs, so the dropped rows keep what they held. A sibling projection of the same
+  input (q, k and v; gate and up) adds its ``dx`` to the first one's that way, instead of writing
+  a whole ``dx`` of its own for XLA to sum.
   """
+  if accumulate:
+    _, dx_ref, *partials_ref = refs
+  else:
+    dx_ref, *partials_ref = refs
   col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
   total = dyc_ref.shape[1] // block_n
   count = count_ref[0]
@@ -470,7 +481,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
                       split=split)
   program = pl.program_id(0)
   gemm_items = live_tiles * parts
-  zero_items = (dx_ref.shape[0] // block_m - live_blocks) * col_blocks
+  zero_items = 0 if accumulate else (dx_ref.shape[0] // block_m - live_blocks) * col_blocks
   trips = pl.cdiv(jnp.maximum(gemm_items - program, 0), programs)
   # The zero items go to the programs the GEMM leaves idle where those can store them all in
   # the time of one GEMM item (counted in bytes moved: a step loads a `dy` and a weight tile, a
@@ -511,7 +522,9 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
     acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
 
     def store_rows():
-      dx_ref[perm_ref[pl.ds(start, block_m)], cols] = acc.astype(dx_ref.dtype)
+      rows = perm_ref[pl.ds(start, block_m)]
+      total = acc + dx_ref[rows, cols].astype(jnp.float32) if accumulate else acc
+      dx_ref[rows, cols] = total.astype(dx_ref.dtype)
 
     if split == 1:
       store_rows()
@@ -535,11 +548,12 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, dx_ref, *partials_ref,
 
 
 def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
-                      block_k: int, programs: int):
+                      block_k: int, programs: int, accumulate: bool = False):
   """One ``(block_m, block_k)`` tile of the split region: where the GEMM split the live tiles
   (``parts > 1``), the sum of this tile's partial tiles stored to rows ``perm[block]`` of ``dx``
   (aliased to the GEMM's ``dx``, whose other rows it keeps); nothing otherwise, nor for a block
-  past ``count``, whose partial tiles were never written (the GEMM stored its zeros)."""
+  past ``count``, whose partial tiles were never written (the GEMM stored its zeros). With
+  ``accumulate`` the sum is added to the rows' values (see :func:`_dx_kernel`)."""
   col_blocks = dx_ref.shape[1] // block_k
   row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
   start = row_block * block_m
@@ -554,7 +568,9 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
 
   @pl.when(summed)
   def _():
-    dx_ref[perm_ref[rows], cols] = acc.astype(dx_ref.dtype)
+    kept = perm_ref[rows]
+    total = acc + dx_ref[kept, cols].astype(jnp.float32) if accumulate else acc
+    dx_ref[kept, cols] = total.astype(dx_ref.dtype)
 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
@@ -620,7 +636,8 @@ _DX_REDUCE_WARPS = 4
 
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
-              interpret: bool = False, kernel_nk: bool = False) -> jax.Array:
+              interpret: bool = False, kernel_nk: bool = False,
+              accumulator: jax.Array | None = None) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows; with
@@ -632,6 +649,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
       when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
     kernel: ``(K, N)`` with ``K % dx_k == 0``; ``(N, K)`` with ``kernel_nk``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
+    accumulator: ``(M, K)`` in ``kernel.dtype`` or ``None``: the result is ``accumulator + dx``,
+      written into the accumulator's buffer (donated), and no zero row is written.
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
@@ -644,16 +663,23 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
                            programs=programs, split=split, compact=config.compact,
-                           kernel_nk=kernel_nk)
+                           kernel_nk=kernel_nk, accumulate=accumulator is not None)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  operands = (count, perm, dyc, kernel)
+  if accumulator is not None:
+    if (accumulator.shape, accumulator.dtype) != (dx_shape.shape, dx_shape.dtype):
+      raise ValueError(f"dx_pallas: `accumulator` must be {dx_shape.dtype}{list(dx_shape.shape)}, "
+                       f"got {accumulator.dtype}{list(accumulator.shape)}.")
+    operands += (accumulator,)
   gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
-                           stages=config.dx_stages, name="sebp_dx")
+                           stages=config.dx_stages, name="sebp_dx",
+                           input_output_aliases=None if accumulator is None else {4: 0})
   if split == 1:
-    return gemm(dx_shape)(count, perm, dyc, kernel)
+    return gemm(dx_shape)(*operands)
   partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
-  dx, partials = gemm((dx_shape, partials_shape))(count, perm, dyc, kernel)
+  dx, partials = gemm((dx_shape, partials_shape))(*operands)
   reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                             programs=programs)
+                             programs=programs, accumulate=accumulator is not None)
   split_tiles = split_rows // config.dx_m * (in_features // config.dx_k)
   return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
                 name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
@@ -699,10 +725,10 @@ def _row_block(config: BlockConfig) -> int:
 
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
-                    interpret: bool = False, kernel_nk: bool = False):
+                    interpret: bool = False, kernel_nk: bool = False, dx_into=None):
   """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
-  partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk``: as in
-  :func:`backward`."""
+  partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk`` and
+  ``dx_into``: as in :func:`backward`."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -719,7 +745,8 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   if kernel is not None:
     dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
                    count, config=config, precision=precision, interpret=interpret,
-                   kernel_nk=kernel_nk)
+                   kernel_nk=kernel_nk,
+                   accumulator=None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad)))
     dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
   if x is not None:
     # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
@@ -736,7 +763,7 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
 
 def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,
              config: BlockConfig | None = None, crossover: float | None = None,
-             plan: RowPlan | None = None, kernel_nk: bool = False):
+             plan: RowPlan | None = None, kernel_nk: bool = False, dx_into=None):
   """SEBP backward of ``y = x @ kernel`` through the Pallas kernels.
 
   Args:
@@ -752,10 +779,15 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
       and no partition here. ``policy`` must then be the exact one.
     kernel_nk: the weight is stored ``(N, K)`` (see :func:`sebp_jax.backends.xla.backward`):
       dX reads it in that layout and dW is written in it.
+    dx_into: ``(M, K)`` or ``None``: ``dx`` comes back as ``dx_into + dx``, the sparse branch
+      adding its kept rows into ``dx_into``'s buffer in place (:func:`dx_pallas`'s
+      ``accumulator``), with no zero row written; needs ``kernel``.
 
   Returns:
     ``(dx, dw)`` as :func:`sebp_jax.backends.xla.backward` does.
   """
+  if dx_into is not None and kernel is None:
+    raise ValueError("backward: `dx_into` needs `kernel` (there is no dx to add to it).")
   num_rows, out_features = dy.shape
   if config is None:
     config = block_config(num_rows, _in_features(x, kernel, kernel_nk), out_features, dy.dtype)
@@ -771,13 +803,15 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
   sparse = functools.partial(sparse_backward, config=config, precision=precision,
-                             interpret=interpret, kernel_nk=kernel_nk)
-  dense = functools.partial(dense_backward, keep=keep, policy=policy, precision=precision,
+                             interpret=interpret, kernel_nk=kernel_nk, dx_into=dx_into)
+
+  def dense():
+    dx, dw = dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
                             planned=plan is not None, kernel_nk=kernel_nk)
+    return (dx if dx_into is None else dx_into + dx), dw
+
   if config.crossover >= 1.0:  # no dense branch: no conditional (and no host round trip) at all
     return sparse(x, kernel, dy, perm, count)
   # Past the crossover the compact products save less than the gather costs.
   use_dense = count[0] > int(config.crossover * num_rows)
-  return lax.cond(use_dense,
-                  lambda: dense(x, kernel, dy),
-                  lambda: sparse(x, kernel, dy, perm, count))
+  return lax.cond(use_dense, dense, lambda: sparse(x, kernel, dy, perm, count))

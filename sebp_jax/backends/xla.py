@@ -89,7 +89,7 @@ def _compact_backward(capacity, x, kernel, dy, perm, count, *, precision, kernel
 
 
 def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan | None = None,
-             kernel_nk: bool = False):
+             kernel_nk: bool = False, dx_into=None):
   """SEBP backward of ``y = x @ kernel`` in XLA.
 
   Args:
@@ -103,11 +103,19 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan 
     kernel_nk: the weight is stored ``(N, K)`` and the product is ``x @ kernel.T`` (a tied
       output embedding): ``kernel`` is that ``(N, K)`` array and ``dw`` comes back ``(N, K)``,
       so that no transpose of either is made.
+    dx_into: ``(M, K)`` or ``None``: ``dx`` comes back as ``dx_into + dx`` (a sibling
+      projection's ``dx`` summed in; the Pallas backend adds it in place, XLA fuses the add).
 
   Returns:
     ``(dx, dw)``: ``(M, K)`` and ``(K, N)`` (``(N, K)`` with ``kernel_nk``), ``None`` where not
     asked for; equal to the dense backward of ``dy * keep[:, None]`` up to summation order.
   """
+  if dx_into is not None:
+    if kernel is None:
+      raise ValueError("backward: `dx_into` needs `kernel` (there is no dx to add to it).")
+    dx, dw = backward(x, kernel, dy, policy=policy, precision=precision, plan=plan,
+                      kernel_nk=kernel_nk)
+    return dx_into + dx, dw
   keep = keep_mask(dy, policy) if plan is None else plan.keep
   caps = capacities(dy.shape[0])
   dense = lambda: dense_backward(x, kernel, dy, keep, policy=policy, precision=precision,
