@@ -23,7 +23,7 @@ from sebp_jax.plan import RowPlan, check_plan_covers
 from sebp_jax.policy import RowPolicy
 from sebp_jax.sharding import RowSharding, current_row_sharding, per_shard_backward
 
-__all__ = ["IMPLS", "sebp_matmul", "resolve_impl", "SEBPDotGeneral"]
+__all__ = ["IMPLS", "sebp_matmul", "sebp_matmuls", "resolve_impl", "SEBPDotGeneral"]
 
 IMPLS = ("auto", "pallas", "xla", "interpret", "dense")
 
@@ -244,6 +244,104 @@ def sebp_matmul(
     wide = jnp.promote_types(y.dtype, jnp.float32)
     y = (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
   return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _sebp_siblings(policy: RowPolicy, impl: str, crossover, precision, name,
+                   sharding: RowSharding | None, x, kernels, plan):
+  return tuple(_forward(x, kernel, precision) for kernel in kernels)
+
+
+def _sebp_siblings_fwd(policy, impl, crossover, precision, name, sharding, x, kernels, plan):
+  ys = tuple(_forward(x.value, kernel.value, precision) for kernel in kernels)
+  plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
+  return ys, (x.value, tuple(kernel.value for kernel in kernels), plan)
+
+
+def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, residuals, dys):
+  x, kernels, plan = residuals
+  run = functools.partial(_backend(impl, crossover), policy=policy, precision=precision)
+  x2d = x.reshape(-1, x.shape[-1])
+  # Where rows may be sharded, each sibling runs as sebp_matmul's backward does, per shard, and
+  # XLA sums their dx; on one device's rows, each later sibling adds its kept rows into the
+  # first one's dx in place.
+  local = sharding is None and jax.sharding.get_abstract_mesh().empty
+  dx, dws = None, []
+  for index, (kernel, dy) in enumerate(zip(kernels, dys)):
+    if isinstance(dy, SymbolicZero):
+      dws.append(jnp.zeros_like(kernel))
+      continue
+    dy = dy.astype(x.dtype)
+    label = f"{name or 'sebp_matmuls'}[{index}]"
+    if plan is not None and plan.check:
+      check_plan_covers(plan, dy.reshape(-1, dy.shape[-1]), label)
+    if local:
+      dx2d, dw = run(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan=plan,
+                     dx_into=None if dx is None else dx.reshape(x2d.shape))
+      dx = dx2d.reshape(x.shape)
+    else:
+      part, dw = per_shard_backward(lambda x2d, k, dy2d, plan: run(x2d, k, dy2d, plan=plan),
+                                    x, kernel, dy, sharding, plan=plan)
+      dx = part if dx is None else dx + part
+    dws.append(dw)
+  return (jnp.zeros_like(x) if dx is None else dx), tuple(dws), None
+
+
+_sebp_siblings.defvjp(_sebp_siblings_fwd, _sebp_siblings_bwd, symbolic_zeros=True)
+
+
+def sebp_matmuls(
+  x: jax.Array,
+  kernels,
+  *,
+  policy: RowPolicy = RowPolicy(),
+  impl: str = "auto",
+  precision: Any = None,
+  crossover: float | None = None,
+  rows: RowPlan | None = None,
+  name: str | None = None,
+) -> tuple[jax.Array, ...]:
+  """``tuple(x @ kernel for kernel in kernels)``: sibling projections of one input (q, k and v;
+  gate and up) under one SEBP backward.
+
+  Each product's backward is :func:`sebp_matmul`'s, on its own kept rows, but their ``dx`` are
+  summed as they are made: each later sibling's dX kernel adds its kept rows into the first
+  one's ``dx`` in place (``impl="pallas"``), instead of writing a whole ``(rows, K)`` ``dx`` of
+  its own, zeros included, for XLA to read back and add. Where the rows are sharded
+  (:func:`sebp_jax.sharded_rows`, a mesh in context), each sibling runs as :func:`sebp_matmul`
+  does and XLA sums their ``dx``.
+
+  Args:
+    x: ``(..., K)`` input, rank >= 2.
+    kernels: a sequence of ``(K, N_i)`` weights (Flax layout).
+    policy, impl, precision, crossover, rows, name: as in :func:`sebp_matmul`.
+
+  Returns:
+    One ``(..., N_i)`` output per kernel, in the operands' promoted dtype.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jnp.ones((2, 5, 3)).at[:, 3:].set(0.0)
+  >>> q, k = sebp_matmuls(x, (jnp.ones((3, 4)), jnp.ones((3, 2))), impl="xla")
+  >>> q.shape, k.shape
+  ((2, 5, 4), (2, 5, 2))
+  """
+  kernels = tuple(kernels)
+  if not kernels:
+    raise ValueError("sebp_matmuls: `kernels` must hold at least one weight.")
+  for kernel in kernels:
+    _check_operands(x, kernel, None)
+  if not isinstance(policy, RowPolicy):
+    raise TypeError(f"sebp_matmuls: `policy` must be a RowPolicy, got {type(policy).__name__}.")
+  _check_crossover(crossover)
+  _check_rows(rows, policy)
+  impl = resolve_impl(impl)
+  dtype = jnp.result_type(x, *kernels)
+  x, kernels = x.astype(dtype), tuple(kernel.astype(dtype) for kernel in kernels)
+  if impl == "dense":
+    return tuple(_forward(x, kernel, precision) for kernel in kernels)
+  plan = rows if rows is not None and rows.applies_to(x) else None
+  return _sebp_siblings(policy, impl, crossover, precision, name, current_row_sharding(), x,
+                        kernels, plan)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""``sebp_matmuls``: sibling projections of one input under one SEBP backward, against dense
+autodiff of the same products (each sibling's ``dx`` summed into the first one's in place)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parity_tests.tolerances import assert_close
+from sebp_jax import row_plan, sharded_rows
+from sebp_jax.backends import pallas as pallas_backend
+from sebp_jax.matmul import sebp_matmuls
+
+SHAPE, FEATURES = (2, 9), (8, 5, 7)  # odd sizes: three siblings of different widths
+# Small tiles, no crossover: the Pallas interpreter runs the accumulating kernels themselves.
+TILES = pallas_backend.BlockConfig(dx_m=16, dx_k=16, dx_n=16, dx_warps=4, dx_stages=2, dw_m=16,
+                                   dw_k=16, dw_n=32, dw_warps=4, dw_stages=2, crossover=1.0)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+  monkeypatch.setattr(pallas_backend, "block_config", lambda *args: TILES)
+
+
+def _case(dtype, seed=0, same_rows=True):
+  rng = np.random.default_rng(seed)
+  mask = np.zeros(SHAPE, bool)
+  mask[0, :6], mask[1, :3] = True, True  # real tokens a prefix of each sequence
+  x = jnp.asarray(rng.standard_normal((*SHAPE, 12)), dtype)
+  kernels = tuple(jnp.asarray(rng.standard_normal((12, n)), dtype) for n in FEATURES)
+  dys = []
+  for n in FEATURES:
+    rows = mask if same_rows else mask & (rng.random(SHAPE) < 0.6)
+    dys.append(jnp.asarray(np.where(rows[..., None], rng.standard_normal((*SHAPE, n)), 0.0), dtype))
+  return mask, x, kernels, tuple(dys)
+
+
+def _grads(fn, x, kernels, dys):
+  _, vjp = jax.vjp(fn, x, kernels)
+  return vjp(dys)
+
+
+def _dense(x, kernels):
+  return tuple(x @ kernel for kernel in kernels)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+def test_matches_dense_autodiff(impl, dtype, planned):
+  mask, x, kernels, dys = _case(dtype)
+  rows = row_plan(jnp.asarray(mask)) if planned else None
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl=impl, rows=rows)  # noqa: E731
+  (dx, dws), (want_dx, want_dws) = _grads(fn, x, kernels, dys), _grads(_dense, x, kernels, dys)
+  assert_close(dx, want_dx, dtype, what="dx")
+  for index, (dw, want) in enumerate(zip(dws, want_dws)):
+    assert_close(dw, want, dtype, what=f"dw[{index}]")
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_siblings_keeping_different_rows(impl):
+  # Per-layer scoring: each sibling keeps its own rows, so the second adds into rows the first
+  # left zero and leaves rows it drops as the first wrote them.
+  _, x, kernels, dys = _case("float32", seed=1, same_rows=False)
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl=impl)  # noqa: E731
+  (dx, dws), (want_dx, want_dws) = _grads(fn, x, kernels, dys), _grads(_dense, x, kernels, dys)
+  assert_close(dx, want_dx, "float32", what="dx")
+  for dw, want in zip(dws, want_dws):
+    assert_close(dw, want, "float32")
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_an_unused_sibling_gets_a_zero_gradient(impl):
+  _, x, kernels, dys = _case("float32", seed=2)
+  loss = lambda x, ks: sum(jnp.sum(y * d) for y, d in zip(sebp_matmuls(x, ks, impl=impl)[1:],  # noqa: E731
+                                                         dys[1:]))
+  dx, dws = jax.grad(loss, argnums=(0, 1))(x, kernels)
+  want_dx, want_dws = _grads(lambda x, ks: _dense(x, ks[1:]), x, kernels, dys[1:])
+  assert_close(dx, want_dx, "float32")
+  assert not np.asarray(dws[0]).any()
+  for dw, want in zip(dws[1:], want_dws[1:]):
+    assert_close(dw, want, "float32")
+
+
+def test_rows_declared_unsharded_take_the_per_sibling_path():
+  _, x, kernels, dys = _case("float32", seed=3)
+  with sharded_rows(()):
+    (dx, dws) = _grads(lambda x, ks: sebp_matmuls(x, ks, impl="interpret"), x, kernels, dys)
+  want_dx, want_dws = _grads(_dense, x, kernels, dys)
+  assert_close(dx, want_dx, "float32")
+  for dw, want in zip(dws, want_dws):
+    assert_close(dw, want, "float32")
+
+
+def test_bad_input_is_named():
+  x = jnp.ones((2, 3, 4))
+  with pytest.raises(ValueError, match="`kernels` must hold at least one weight"):
+    sebp_matmuls(x, ())
+  with pytest.raises(ValueError, match="expects 5"):
+    sebp_matmuls(x, (jnp.ones((4, 2)), jnp.ones((5, 2))))
