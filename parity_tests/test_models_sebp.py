@@ -56,9 +56,17 @@ def assert_swap_exact(loss, params, tied_embedding: tuple[str, ...] | None = Non
     got = jax.jit(jax.grad(loss))(params)
   assert swapped == linear_paths(params, tied_embedding)
   flat_got = traverse_util.flatten_dict(got["params"])
-  for path, want in traverse_util.flatten_dict(expected["params"]).items():
+  flat_want = traverse_util.flatten_dict(expected["params"])
+  for path, want in flat_want.items():
     scale = float(jnp.abs(want).max())
     assert scale > 0, f"{path}: zero gradient, the comparison would be vacuous"
+    if path[-2:] == ("key", "bias"):
+      # BERT's key bias has an exactly zero gradient (softmax ignores a shift of all of a
+      # row's scores): computed, both are rounding noise whose digits follow the summation
+      # order. Both must be negligible next to the same layer's kernel gradient.
+      bound = 1e-3 * float(jnp.abs(flat_want[(*path[:-1], "kernel")]).max())
+      assert max(scale, float(jnp.abs(flat_got[path]).max())) <= bound, path
+      continue
     assert_close(flat_got[path], want, rtol=0.0, atol=GRAD_RTOL * scale,
                  what=f"gradient of {'/'.join(path)}")
 

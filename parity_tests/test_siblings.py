@@ -3,6 +3,8 @@ autodiff of the same products (each sibling's ``dx`` summed into the first one's
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,82 @@ def test_bad_input_is_named():
     sebp_matmuls(x, ())
   with pytest.raises(ValueError, match="expects 5"):
     sebp_matmuls(x, (jnp.ones((4, 2)), jnp.ones((5, 2))))
+
+
+# --- dense_siblings: the same group through flax.linen and swap_dense ----------------------------
+
+import flax.linen as nn  # noqa: E402
+
+import sebp_jax  # noqa: E402
+from sebp_jax.linen import dense_siblings, swap_dot_general  # noqa: E402
+
+
+class _Siblings(nn.Module):
+  """q, k and v of one input, as an attention layer makes them."""
+
+  grouped: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    layers = [nn.Dense(n, name=name) for n, name in zip(FEATURES, ("q", "k", "v"))]
+    ys = dense_siblings(layers, x) if self.grouped else tuple(layer(x) for layer in layers)
+    return sum(jnp.sum(jnp.sin(y)) for y in ys)
+
+
+def _module_case():
+  mask, x, *_ = _case("float32", seed=4)
+  x = jnp.where(jnp.asarray(mask)[..., None], x, 0.0)
+  params = _Siblings().init(jax.random.key(0), x)
+  return x, params
+
+
+def _loss_grads(module, params, x, swap=None):
+  def loss(params, x):
+    with swap or contextlib.nullcontext():
+      return module.apply(params, x)
+  return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def test_without_a_swap_siblings_are_the_separate_layers():
+  x, params = _module_case()
+  assert _Siblings().apply(params, x) == _Siblings(grouped=False).apply(params, x)
+  assert (jax.tree.structure(params)
+          == jax.tree.structure(_Siblings(grouped=False).init(jax.random.key(0), x)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_one_backward_for_the_group_under_swap_dense(impl):
+  x, params = _module_case()
+  got = _loss_grads(_Siblings(), params, x, sebp_jax.swap_dense(impl=impl))
+  separate = _loss_grads(_Siblings(grouped=False), params, x, sebp_jax.swap_dense(impl=impl))
+  dense = _loss_grads(_Siblings(), params, x)
+  for want in (separate, dense):
+    jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, want)
+  with sebp_jax.swap_dense(impl=impl) as report:
+    forward = str(jax.make_jaxpr(_Siblings().apply)(params, x))
+  assert forward.count("custom_vjp_call") == 1  # one rule for q, k and v
+  assert [layer.path for layer in report.layers] == [("q",), ("k",), ("v",)]
+
+
+def test_a_group_the_swap_splits_runs_layer_by_layer():
+  x, params = _module_case()
+  only_q = sebp_jax.swap_dense(impl="xla", where=lambda path: path[-1] == "q")
+  with only_q as report:
+    forward = str(jax.make_jaxpr(_Siblings().apply)(params, x))
+  assert forward.count("custom_vjp_call") == 1 and len(report.layers) == 1
+  got = _loss_grads(_Siblings(), params, x, sebp_jax.swap_dense(
+    impl="xla", where=lambda path: path[-1] == "q"))
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, _loss_grads(_Siblings(), params, x))
+
+
+def test_another_dot_general_runs_layer_by_layer():
+  calls = []
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return jax.lax.dot_general(*args, **kwargs)
+
+  x, params = _module_case()
+  with swap_dot_general(counting):
+    got = _Siblings().apply(params, x)
+  assert len(calls) == 3 and got == _Siblings().apply(params, x)

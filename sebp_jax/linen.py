@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from sebp_jax import contraction
-from sebp_jax.matmul import SEBPDotGeneral
+from sebp_jax.matmul import SEBPDotGeneral, sebp_matmuls
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy
 from sebp_jax.swap_report import (SwappedLayer, SwapReport, check_where, warn_if_nothing_selected,
                                   warn_stays_dense)
 
-__all__ = ["SEBPDense", "SEBPDenseGeneral", "SEBPEinsum", "swap_dense", "swap_dot_general"]
+__all__ = ["SEBPDense", "SEBPDenseGeneral", "SEBPEinsum", "dense_siblings", "swap_dense",
+           "swap_dot_general"]
 
 ModulePath = tuple[str, ...]
 
@@ -277,6 +278,10 @@ class _OpenSwaps(threading.local):
 
   def __init__(self):
     self.stack: list[_Swap] = []
+    # While dense_siblings runs its layers: their (lhs, rhs) products, captured, not computed;
+    # then the products computed together, handed back in order.
+    self.captured: list[tuple[jax.Array, jax.Array]] | None = None
+    self.products: list[jax.Array] | None = None
 
 
 _OPEN = _OpenSwaps()
@@ -340,6 +345,67 @@ def _layer_kind(module: nn.Module, method: str) -> str | None:
   return None
 
 
+def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
+  """``tuple(module(x) for module in modules)``: sibling ``nn.Dense`` layers of one input (q, k
+  and v; gate and up), called from the parent's compact method.
+
+  The same parameters and outputs as the separate calls, and the same layers in a swap's report.
+  Where one :func:`swap_dense` selects them all, their products share one SEBP backward
+  (:func:`sebp_jax.matmul.sebp_matmuls`): each later sibling adds its ``dx`` into the first
+  one's in place, instead of a whole ``dx`` each for XLA to sum. Otherwise (no swap, layers of
+  different swaps or left dense, a swap of another ``dot_general``) each layer runs as called.
+  """
+  modules = tuple(modules)
+  swaps = [_selecting_swap(module) for module in modules]
+  grouped = (len(modules) > 1 and swaps[0] is not None and isinstance(swaps[0].dot_general,
+             SEBPDotGeneral) and all(s is swaps[0] for s in swaps)
+             and len({(m.precision, m.dtype) for m in modules}) == 1)
+  if not grouped:
+    return tuple(module(x) for module in modules)
+  # Each layer's __call__ runs twice: first with its product captured (its promoted input and
+  # kernel; the output is dropped), then, once the products have run together, with its product
+  # handed back, so that parameters, promotion, bias and report are the layer's own.
+  _OPEN.captured = []
+  try:
+    for module in modules:
+      module(x)
+    captured = _OPEN.captured
+  finally:
+    _OPEN.captured = None
+  dot_general = swaps[0].dot_general
+  ys = sebp_matmuls(captured[0][0], tuple(rhs for _, rhs in captured), policy=dot_general.policy,
+                    impl=dot_general.impl, precision=modules[0].precision,
+                    crossover=dot_general.crossover, rows=dot_general.rows,
+                    name="+".join("/".join(m.path) for m in modules))
+  _OPEN.products = list(ys)
+  try:
+    return tuple(module(x) for module in modules)
+  finally:
+    _OPEN.products = None
+
+
+def _capture(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """A Dense's product, recorded for :func:`dense_siblings` and left out (zeros)."""
+  del dimension_numbers, precision  # a Dense's: lhs's last dim against rhs's first
+  _OPEN.captured.append((lhs, rhs))
+  return jnp.zeros((*lhs.shape[:-1], rhs.shape[-1]), preferred_element_type or lhs.dtype)
+
+
+def _handed_back(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """A Dense's product as :func:`dense_siblings` computed it for the group."""
+  del lhs, rhs, dimension_numbers, precision, preferred_element_type
+  return _OPEN.products.pop(0)
+
+
+def _selecting_swap(module: nn.Module):
+  """The open swap that would swap ``module``'s product, or ``None``."""
+  if _layer_kind(module, "__call__") != "Dense":
+    return None
+  path = tuple(module.path) if module.scope is not None else None
+  return None if path is None else next(
+    (s for s in reversed(_OPEN.stack) if s.selects(path)), None)
+
+
 def _intercept(next_fun, args, kwargs, context):
   module = context.module
   kind = _layer_kind(module, context.method_name)
@@ -367,7 +433,9 @@ def _intercept(next_fun, args, kwargs, context):
     out = _embed_attend(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
   else:
     # Dense and DenseGeneral read their `dot_general` field in __call__: set it for this call.
-    object.__setattr__(module, "dot_general", _named(swap.dot_general, path))
+    product = (_capture if _OPEN.captured is not None else _handed_back
+               if _OPEN.products is not None else _named(swap.dot_general, path))
+    object.__setattr__(module, "dot_general", product)
     try:
       out = next_fun(*args, **kwargs)
     finally:

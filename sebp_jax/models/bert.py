@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sebp_jax.linen import dense_siblings
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.embedding import Embed
 from sebp_jax.models.inputs import token_inputs
@@ -154,8 +155,9 @@ class BertSelfAttention(_BertModule):
   def __call__(self, x, attention_mask, deterministic: bool, right_padded: bool):
     cfg = self.config
     heads = (cfg.num_attention_heads, cfg.head_dim)
-    q, k, v = (self.dense(cfg.hidden_size, name)(x).reshape(*x.shape[:-1], *heads)
-               for name in ("query", "key", "value"))
+    # One SEBP backward for the three under swap_dense (dense_siblings); plain calls otherwise.
+    q, k, v = (y.reshape(*x.shape[:-1], *heads) for y in dense_siblings(
+      [self.dense(cfg.hidden_size, name) for name in ("query", "key", "value")], x))
     rate = cfg.attention_probs_dropout_prob
     rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
     out = attend(

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sebp_jax.linen import dense_siblings
 from sebp_jax.models.attention import ATTENTION_IMPLS, attend
 from sebp_jax.models.cross_entropy import token_cross_entropy
 from sebp_jax.models.embedding import Embed
@@ -216,9 +217,13 @@ class LlamaAttention(_LlamaModule):
     cfg = self.config
     lead = x.shape[:-1]
     bias = cfg.attention_bias
-    q = self.projection(cfg.num_attention_heads, "q_proj", bias)(x)
-    k = self.projection(cfg.num_key_value_heads, "k_proj", bias)(x)
-    v = self.projection(cfg.num_key_value_heads, "v_proj", bias)(x)
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads)
+    names = ("q_proj", "k_proj", "v_proj")
+    if cfg.projections == "einsum":
+      q, k, v = (self.projection(n, name, bias)(x) for n, name in zip(heads, names))
+    else:  # one SEBP backward for the three under swap_dense (dense_siblings)
+      q, k, v = (y.reshape(*lead, n, cfg.head_dim) for y, n in zip(dense_siblings(
+        [self.dense(n * cfg.head_dim, name, bias) for n, name in zip(heads, names)], x), heads))
     # cos/sin: (B, T, head_dim) -> broadcast over heads.
     cos, sin = cos[:, :, None, :].astype(q.dtype), sin[:, :, None, :].astype(q.dtype)
     q = q * cos + _rotate_half(q) * sin
@@ -241,8 +246,8 @@ class LlamaMLP(_LlamaModule):
   def __call__(self, x):
     cfg = self.config
     hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-    gate = self.linear(inner, hidden, "gate_proj", bias)(x)
-    up = self.linear(inner, hidden, "up_proj", bias)(x)
+    gate, up = (self.linear(inner, hidden, name, bias) for name in ("gate_proj", "up_proj"))
+    gate, up = (gate(x), up(x)) if cfg.projections == "einsum" else dense_siblings([gate, up], x)
     return self.linear(hidden, inner, "down_proj", bias)(nn.silu(gate) * up)
 
 
