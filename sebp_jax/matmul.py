@@ -100,6 +100,15 @@ def _check_rows(rows, policy: RowPolicy) -> None:
                      f"needs the exact policy RowPolicy(), got {policy}.")
 
 
+def _checked_options(caller: str, policy, impl: str, crossover, rows) -> str:
+  """Checks the options that :func:`sebp_matmul` and :func:`sebp_matmuls` share; the backend."""
+  if not isinstance(policy, RowPolicy):
+    raise TypeError(f"{caller}: `policy` must be a RowPolicy, got {type(policy).__name__}.")
+  _check_crossover(crossover)
+  _check_rows(rows, policy)
+  return resolve_impl(impl)
+
+
 def _forward(x, kernel, precision, out_dtype=None):
   """``x @ kernel``, the product rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
   return lax.dot_general(x, kernel, _matmul_dims(x.ndim), precision=precision,
@@ -217,11 +226,7 @@ def sebp_matmul(
   ((2, 5, 3), (3, 4))
   """
   _check_operands(x, kernel, bias, transpose_kernel)
-  if not isinstance(policy, RowPolicy):
-    raise TypeError(f"sebp_matmul: `policy` must be a RowPolicy, got {type(policy).__name__}.")
-  _check_crossover(crossover)
-  _check_rows(rows, policy)
-  impl = resolve_impl(impl)
+  impl = _checked_options("sebp_matmul", policy, impl, crossover, rows)
   # Promote outside the custom rule: autodiff of the casts returns each gradient in its
   # primal's dtype, and the rule itself sees one dtype.
   dtype = jnp.result_type(x, kernel)
@@ -330,11 +335,7 @@ def sebp_matmuls(
     raise ValueError("sebp_matmuls: `kernels` must hold at least one weight.")
   for kernel in kernels:
     _check_operands(x, kernel, None)
-  if not isinstance(policy, RowPolicy):
-    raise TypeError(f"sebp_matmuls: `policy` must be a RowPolicy, got {type(policy).__name__}.")
-  _check_crossover(crossover)
-  _check_rows(rows, policy)
-  impl = resolve_impl(impl)
+  impl = _checked_options("sebp_matmuls", policy, impl, crossover, rows)
   dtype = jnp.result_type(x, *kernels)
   x, kernels = x.astype(dtype), tuple(kernel.astype(dtype) for kernel in kernels)
   if impl == "dense":
