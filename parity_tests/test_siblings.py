@@ -181,3 +181,75 @@ def test_another_dot_general_runs_layer_by_layer():
   with swap_dot_general(counting):
     got = _Siblings().apply(params, x)
   assert len(calls) == 3 and got == _Siblings().apply(params, x)
+
+
+# --- linear_siblings: the same group through flax.nnx ---------------------------------------------
+
+from flax import nnx  # noqa: E402
+
+from sebp_jax.nnx import SEBPLinear, linear_siblings, swap_linear  # noqa: E402
+
+
+def _nnx_layers(make=nnx.Linear, **kwargs):
+  """q, k and v as an ``nnx.List`` (a module: what ``swap_linear`` takes)."""
+  return nnx.List([make(12, n, rngs=nnx.Rngs(seed), **kwargs) for seed, n in enumerate(FEATURES)])
+
+
+def _nnx_loss_grads(layers, x, grouped=True):
+  def loss(layers, x):
+    ys = linear_siblings(layers, x) if grouped else tuple(layer(x) for layer in layers)
+    return sum(jnp.sum(jnp.sin(y)) for y in ys)
+  graph, state = nnx.split(layers)
+  return jax.grad(lambda state, x: loss(nnx.merge(graph, state), x), argnums=(0, 1))(state, x)
+
+
+def _nnx_x():
+  mask, x, *_ = _case("float32", seed=5)
+  return jnp.where(jnp.asarray(mask)[..., None], x, 0.0)
+
+
+def _rules(layers, x):
+  return str(jax.make_jaxpr(lambda x: linear_siblings(layers, x))(x)).count("custom_vjp_call")
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_nnx_one_backward_for_the_group_under_swap_linear(impl):
+  x, dense = _nnx_x(), _nnx_layers()
+  want = _nnx_loss_grads(dense, x)
+  assert all(jnp.array_equal(a, b) for a, b in zip(linear_siblings(dense, x),
+                                                   (layer(x) for layer in dense)))
+  swapped = _nnx_layers()
+  swap_linear(swapped, impl=impl)
+  assert _rules(swapped, x) == 1  # one rule for q, k and v
+  for ys, zs in zip(linear_siblings(swapped, x), (layer(x) for layer in swapped)):
+    assert_close(ys, zs, "float32")
+  for got in (_nnx_loss_grads(swapped, x), _nnx_loss_grads(swapped, x, grouped=False)):
+    jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, want)
+
+
+def test_nnx_sebp_linear_layers_of_one_policy_group():
+  x = _nnx_x()
+  layers = _nnx_layers(SEBPLinear, impl="xla", use_bias=False)
+  assert _rules(layers, x) == 1
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), _nnx_loss_grads(layers, x),
+               _nnx_loss_grads(_nnx_layers(use_bias=False), x))
+
+
+@pytest.mark.parametrize("change", ["one dense", "other impl", "float32 output"])
+def test_nnx_a_mixed_group_runs_layer_by_layer(change):
+  x, layers = _nnx_x(), _nnx_layers()
+  swap_linear(layers, impl="xla")
+  if change == "one dense":
+    layers[1].dot_general = jax.lax.dot_general
+  elif change == "other impl":
+    swap_linear(layers[2], impl="interpret")
+  else:
+    layers[0].preferred_element_type = jnp.float32
+  assert _rules(layers, x) == (2 if change == "one dense" else 3)
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), _nnx_loss_grads(layers, x),
+               _nnx_loss_grads(_nnx_layers(), x))
+
+
+def test_nnx_bad_input_is_named():
+  with pytest.raises(ValueError, match="`layers` must hold at least one layer"):
+    linear_siblings([], jnp.ones((2, 3)))

@@ -374,12 +374,8 @@ class SEBPDotGeneral:
   name: str | None = None
 
   def __post_init__(self):
-    if not isinstance(self.policy, RowPolicy):
-      raise TypeError(f"`policy` must be a RowPolicy, got {type(self.policy).__name__}.")
     # Reject an unknown impl or a bad crossover when the layer is built, not when it first runs.
-    resolve_impl(self.impl)
-    _check_crossover(self.crossover)
-    _check_rows(self.rows, self.policy)
+    _checked_options("SEBPDotGeneral", self.policy, self.impl, self.crossover, self.rows)
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                *, out_sharding=None):

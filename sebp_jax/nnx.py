@@ -1,4 +1,4 @@
-"""flax.nnx integration: ``SEBPLinear``, ``swap_linear`` and ``unswap_linear``.
+"""flax.nnx integration: ``SEBPLinear``, ``swap_linear``, ``unswap_linear`` and ``linear_siblings``.
 
 SEBP lives entirely inside a layer's weight contraction (:class:`sebp_jax.matmul.SEBPDotGeneral`):
 ``nnx.Linear`` and ``nnx.LinearGeneral`` take a ``dot_general``, ``nnx.Einsum`` an ``einsum_op``
@@ -8,20 +8,21 @@ SEBP lives entirely inside a layer's weight contraction (:class:`sebp_jax.matmul
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
 from sebp_jax import contraction
 from sebp_jax.contraction import DotGeneralEinsum
-from sebp_jax.matmul import SEBPDotGeneral
+from sebp_jax.matmul import SEBPDotGeneral, sebp_matmuls
 from sebp_jax.policy import RowPolicy
 from sebp_jax.swap_report import (SwappedLayer, SwapReport, check_where, warn_if_nothing_selected,
                                   warn_stays_dense)
 
-__all__ = ["SEBPLinear", "swap_linear", "unswap_linear"]
+__all__ = ["SEBPLinear", "linear_siblings", "swap_linear", "unswap_linear"]
 
 ModulePath = tuple[str, ...]
 
@@ -183,3 +184,62 @@ def unswap_linear(model: nnx.Module) -> SwapReport:
     path = tuple(str(part) for part in path) + (("attend",) if kind == "Embed.attend" else ())
     report.add(SwappedLayer(path, kind, _kernel_shape(module)))
   return report
+
+
+def _sibling_group(layers: Sequence[nnx.Module]) -> SEBPDotGeneral | None:
+  """The ``SEBPDotGeneral`` every layer of ``layers`` runs, if they can share one backward."""
+  if len(layers) < 2 or not all(isinstance(layer, nnx.Linear) for layer in layers):
+    return None
+  first = layers[0].dot_general
+  if not isinstance(first, SEBPDotGeneral):
+    return None
+
+  def same_backward(dot_general) -> bool:
+    # Field by field: a row plan holds arrays, compared by identity.
+    return dot_general is first or (
+      isinstance(dot_general, SEBPDotGeneral) and dot_general.rows is first.rows
+      and (dot_general.policy, dot_general.impl, dot_general.crossover)
+      == (first.policy, first.impl, first.crossover))
+
+  settings = {(layer.precision, layer.dtype, layer.promote_dtype, layer.preferred_element_type)
+              for layer in layers}
+  if (len(settings) != 1 or layers[0].preferred_element_type is not None
+      or not all(same_backward(layer.dot_general) for layer in layers)):
+    return None
+  return first
+
+
+def linear_siblings(layers: Sequence[nnx.Module], x: jax.Array) -> tuple[jax.Array, ...]:
+  """``tuple(layer(x) for layer in layers)``: sibling ``nnx.Linear`` layers of one input (q, k
+  and v; gate and up).
+
+  Where every layer runs the same SEBP ``dot_general`` (one :func:`swap_linear`, or
+  ``SEBPLinear`` layers of one policy) with the same dtype, precision and promotion, their
+  products share one backward (:func:`sebp_jax.sebp_matmuls`): each later sibling adds its
+  ``dx`` into the first one's in place, instead of a whole ``dx`` each for XLA to sum. The
+  result is ``nnx.Linear``'s (promotion, product, bias added in the output dtype). Otherwise
+  (dense layers, mixed policies or dtypes, ``preferred_element_type``) each layer runs as called.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> q, k = SEBPLinear(3, 4, rngs=nnx.Rngs(0)), SEBPLinear(3, 2, rngs=nnx.Rngs(1))
+  >>> [y.shape for y in linear_siblings([q, k], jnp.ones((2, 5, 3)))]
+  [(2, 5, 4), (2, 5, 2)]
+  """
+  layers = tuple(layers)
+  if not layers:
+    raise ValueError("linear_siblings: `layers` must hold at least one layer.")
+  dot_general = _sibling_group(layers)
+  promoted = [layer.promote_dtype((x, layer.kernel[...],
+                                   None if layer.bias is None else layer.bias[...]),
+                                  dtype=layer.dtype) for layer in layers]
+  if dot_general is None or len({inputs.dtype for inputs, _, _ in promoted}) != 1:
+    return tuple(layer(x) for layer in layers)
+  ys = sebp_matmuls(promoted[0][0], [kernel for _, kernel, _ in promoted],
+                    policy=dot_general.policy, impl=dot_general.impl,
+                    precision=layers[0].precision, crossover=dot_general.crossover,
+                    rows=dot_general.rows, name=dot_general.name)
+  # nnx.Linear's bias add: in the product's dtype.
+  return tuple(y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+               for y, (_, _, bias) in zip(ys, promoted))
+
