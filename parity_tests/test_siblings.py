@@ -10,11 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parity_tests.impls import impl_params
 from parity_tests.tolerances import assert_close
 from sebp_jax import row_plan, sharded_rows
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.matmul import sebp_matmuls
 
+# The backends with a sibling rule of their own: the Pallas kernels (interpreted on the CPU, run on
+# a GPU) and XLA's; "dense" has no backward to share.
+IMPLS = [param for param in impl_params() if param.values[0] != "dense"]
 SHAPE, FEATURES = (2, 9), (8, 5, 7)  # odd sizes: three siblings of different widths
 # Small tiles, no crossover: the Pallas interpreter runs the accumulating kernels themselves.
 TILES = pallas_backend.BlockConfig(dx_m=16, dx_k=16, dx_n=16, dx_warps=4, dx_stages=2, dw_m=16,
@@ -48,7 +52,7 @@ def _dense(x, kernels):
   return tuple(x @ kernel for kernel in kernels)
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
 def test_matches_dense_autodiff(impl, dtype, planned):
@@ -61,7 +65,7 @@ def test_matches_dense_autodiff(impl, dtype, planned):
     assert_close(dw, want, dtype, what=f"dw[{index}]")
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_siblings_keeping_different_rows(impl):
   # Per-layer scoring: each sibling keeps its own rows, so the second adds into rows the first
   # left zero and leaves rows it drops as the first wrote them.
@@ -73,7 +77,7 @@ def test_siblings_keeping_different_rows(impl):
     assert_close(dw, want, "float32")
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_an_unused_sibling_gets_a_zero_gradient(impl):
   _, x, kernels, dys = _case("float32", seed=2)
   loss = lambda x, ks: sum(jnp.sum(y * d) for y, d in zip(sebp_matmuls(x, ks, impl=impl)[1:],  # noqa: E731
@@ -145,7 +149,7 @@ def test_without_a_swap_siblings_are_the_separate_layers():
           == jax.tree.structure(_Siblings(grouped=False).init(jax.random.key(0), x)))
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_one_backward_for_the_group_under_swap_dense(impl):
   x, params = _module_case()
   got = _loss_grads(_Siblings(), params, x, sebp_jax.swap_dense(impl=impl))
@@ -212,7 +216,7 @@ def _rules(layers, x):
   return str(jax.make_jaxpr(lambda x: linear_siblings(layers, x))(x)).count("custom_vjp_call")
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nnx_one_backward_for_the_group_under_swap_linear(impl):
   x, dense = _nnx_x(), _nnx_layers()
   want = _nnx_loss_grads(dense, x)
