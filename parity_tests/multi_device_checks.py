@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard  # noqa: E402
 
 from parity_tests.tolerances import tolerance  # noqa: E402
-from sebp_jax import row_plan, sebp_matmul, sharded_rows  # noqa: E402
+from sebp_jax import row_plan, sebp_matmul, sebp_matmuls, sharded_rows  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -53,14 +53,19 @@ def _inputs():
   return params, x
 
 
-def _loss(matmul, gather=lambda w: w):
-  """Sum of squares of a 2-layer MLP on the real tokens only (padding rows get zero dY)."""
+def _loss(matmul, gather=lambda w: w, matmuls=None):
+  """Sum of squares of a 2-layer MLP on the real tokens only (padding rows get zero dY). With
+  ``matmuls`` (``(x, kernels) -> products``), the first layer runs as two siblings, each half of
+  its columns."""
   real = (jnp.arange(T) < REAL)[None, :, None]
 
   def loss(params, x):
     w1, w2 = (gather(w) for w in params)
-    h = jnp.tanh(matmul(x, w1))
-    return jnp.sum(jnp.where(real, matmul(h, w2), 0.0) ** 2)
+    if matmuls is None:
+      h = matmul(x, w1)
+    else:
+      h = jnp.concatenate(matmuls(x, (w1[:, :H // 2], w1[:, H // 2:])), axis=-1)
+    return jnp.sum(jnp.where(real, matmul(jnp.tanh(h), w2), 0.0) ** 2)
 
   return loss
 
@@ -114,9 +119,21 @@ def main(impl: str, cases: list[str]) -> None:
     data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
   )
   for case in cases:
-    # "<case>_planned": the same case with a row plan, which each device re-plans for its rows.
-    sebp_mm = planned_mm if case.endswith("_planned") else scoring_mm
-    layout = case.removesuffix("_planned")
+    # "<case>_siblings": the first layer as two sibling products under one backward
+    # (sebp_matmuls); "<case>_planned": with a row plan, which each device re-plans for its rows.
+    siblings = case.endswith("_siblings")
+    layout = case.removesuffix("_siblings")
+    planned = layout.endswith("_planned")
+    sebp_mm = planned_mm if planned else scoring_mm
+    layout = layout.removesuffix("_planned")
+    sebp_loss_of, dense_loss_of = _loss, _loss
+    if siblings:
+      plan_rows = row_plan(jnp.broadcast_to(jnp.arange(T) < REAL, (B, T)), check=True)
+      sebp_mms = lambda a, ws: sebp_matmuls(  # noqa: E731
+        a, ws, impl=impl, rows=plan_rows if planned else None)
+      sebp_loss_of = lambda mm, gather=lambda w: w: _loss(mm, gather, sebp_mms)  # noqa: E731
+      dense_loss_of = lambda mm, gather=lambda w: w: _loss(  # noqa: E731
+        mm, gather, lambda a, ws: tuple(a @ w for w in ws))
     case_dense_mm, case_params, case_reference = dense_mm, params, reference
     if layout.endswith("_nk"):
       # "<case>_nk": the weights stored (out, in), as a tied embedding is (`transpose_kernel`),
@@ -131,12 +148,13 @@ def main(impl: str, cases: list[str]) -> None:
       mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
       w_sharding = NamedSharding(mesh, w_spec)
 
-      def sebp_loss(params, x, axes=axes):
+      def sebp_loss(params, x, axes=axes, sebp_loss_of=sebp_loss_of):
         with sharded_rows(axes):
-          return _loss(sebp_mm)(params, x)
+          return sebp_loss_of(sebp_mm)(params, x)
 
       with jax.set_mesh(mesh):
-        _check(case, impl, sebp_loss, _loss(case_dense_mm), case_params, x, case_reference,
+        _check(case, impl, sebp_loss, dense_loss_of(case_dense_mm), case_params, x,
+               case_reference,
                in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
                out_shardings=(w_sharding,) * 2)
     elif layout == "explicit":
@@ -146,8 +164,8 @@ def main(impl: str, cases: list[str]) -> None:
         xs = reshard(x, P(("data", "fsdp")))
         ws = tuple(reshard(w, P("fsdp")) for w in case_params)
         gather = lambda w: reshard(w, P())  # noqa: E731
-        _check(case, impl, _loss(sebp_mm, gather), _loss(case_dense_mm, gather), ws, xs,
-               case_reference)
+        _check(case, impl, sebp_loss_of(sebp_mm, gather), dense_loss_of(case_dense_mm, gather),
+               ws, xs, case_reference)
     elif case in ("shard_map", "shard_map_unchecked"):
       mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
       check_vma = case == "shard_map"

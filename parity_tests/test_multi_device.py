@@ -22,7 +22,9 @@ CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked"
          # With a row plan of the whole batch, which each device re-plans for its own rows.
          "data_parallel_planned", "data_fsdp_planned", "explicit_planned",
          # With the weights stored (out, in), as a tied embedding is (transpose_kernel=True).
-         "data_parallel_nk", "fsdp_nk", "explicit_nk")
+         "data_parallel_nk", "fsdp_nk", "explicit_nk",
+         # The first layer as two siblings under one backward (sebp_matmuls).
+         "fsdp_siblings", "data_fsdp_planned_siblings", "explicit_siblings")
 # The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.

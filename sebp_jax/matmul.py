@@ -277,16 +277,20 @@ def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, resid
       dws.append(jnp.zeros_like(kernel))
       continue
     dy = dy.astype(x.dtype)
-    label = f"{name or 'sebp_matmuls'}[{index}]"
-    if plan is not None and plan.check:
-      check_plan_covers(plan, dy.reshape(-1, dy.shape[-1]), label)
+
+    def checked_run(x2d, kernel, dy2d, plan, dx_into=None,
+                    label=f"{name or 'sebp_matmuls'}[{index}]"):
+      # A checking plan reads the rows this backward runs on: each device's own where sharded
+      # (no collective, as sebp_matmul's check).
+      if plan is not None and plan.check:
+        check_plan_covers(plan, dy2d, label)
+      return run(x2d, kernel, dy2d, plan=plan, dx_into=dx_into)
     if local:
-      dx2d, dw = run(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan=plan,
-                     dx_into=None if dx is None else dx.reshape(x2d.shape))
+      dx2d, dw = checked_run(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan,
+                             dx_into=None if dx is None else dx.reshape(x2d.shape))
       dx = dx2d.reshape(x.shape)
     else:
-      part, dw = per_shard_backward(lambda x2d, k, dy2d, plan: run(x2d, k, dy2d, plan=plan),
-                                    x, kernel, dy, sharding, plan=plan)
+      part, dw = per_shard_backward(checked_run, x, kernel, dy, sharding, plan=plan)
       dx = part if dx is None else dx + part
     dws.append(dw)
   return (jnp.zeros_like(x) if dx is None else dx), tuple(dws), None
