@@ -397,13 +397,16 @@ def _handed_back(lhs, rhs, dimension_numbers, precision=None, preferred_element_
   return _OPEN.products.pop(0)
 
 
+def _innermost_swap(path: ModulePath):
+  """The innermost open swap that selects the layer at ``path``, or ``None``."""
+  return next((s for s in reversed(_OPEN.stack) if s.selects(path)), None)
+
+
 def _selecting_swap(module: nn.Module):
   """The open swap that would swap ``module``'s product, or ``None``."""
-  if _layer_kind(module, "__call__") != "Dense":
+  if _layer_kind(module, "__call__") != "Dense" or module.scope is None:
     return None
-  path = tuple(module.path) if module.scope is not None else None
-  return None if path is None else next(
-    (s for s in reversed(_OPEN.stack) if s.selects(path)), None)
+  return _innermost_swap(tuple(module.path))
 
 
 def _intercept(next_fun, args, kwargs, context):
@@ -415,7 +418,7 @@ def _intercept(next_fun, args, kwargs, context):
   if kind is None:
     return next_fun(*args, **kwargs)
   path = (*module.path, "attend") if kind == "Embed.attend" else tuple(module.path)
-  swap = next((s for s in reversed(_OPEN.stack) if s.selects(path)), None)
+  swap = _innermost_swap(path)
   if swap is None:
     return next_fun(*args, **kwargs)
 

@@ -230,10 +230,12 @@ def linear_siblings(layers: Sequence[nnx.Module], x: jax.Array) -> tuple[jax.Arr
   if not layers:
     raise ValueError("linear_siblings: `layers` must hold at least one layer.")
   dot_general = _sibling_group(layers)
+  if dot_general is None:
+    return tuple(layer(x) for layer in layers)
   promoted = [layer.promote_dtype((x, layer.kernel[...],
                                    None if layer.bias is None else layer.bias[...]),
                                   dtype=layer.dtype) for layer in layers]
-  if dot_general is None or len({inputs.dtype for inputs, _, _ in promoted}) != 1:
+  if len({inputs.dtype for inputs, _, _ in promoted}) != 1:
     return tuple(layer(x) for layer in layers)
   ys = sebp_matmuls(promoted[0][0], [kernel for _, kernel, _ in promoted],
                     policy=dot_general.policy, impl=dot_general.impl,
