@@ -132,8 +132,8 @@ _LAYER_INDEX = re.compile(r"\b(layers?)_\d+\b")
 
 def _source(op_name: str) -> str:
   """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` →
-  ``bwd Model/model/layers_*/mlp/mul``: the jitted function's name dropped, transforms unwrapped, ``bwd`` where the op is autodiff's
-  transpose, layer numbers starred."""
+  ``bwd Model/model/layers_*/mlp/mul``: the jitted function's name dropped, transforms
+  unwrapped, ``bwd`` where the op is autodiff's transpose, layer numbers starred."""
   segments = op_name.split("/")[1:]
   backward = any(segment.startswith("transpose(") for segment in segments)
   path = "/".join(filter(None, (_WRAPPERS.sub("", segment).rstrip(")") for segment in segments)))

@@ -6,9 +6,10 @@ with the logits to form the logits' gradient. For LLaMA-3.2-3B at 4,096 tokens t
 2.1 GB per sequence: on an H100 the scatter and the fusion reading it took ~1.7 ms of every
 training step, dense or SEBP, and the buffer was alive at the step's memory peak (without it,
 LLaMA-3.2-3B at batch 4 × 4096 fits an H100: ``benchmarks/NOTES.md``, "v16").
-:func:`token_cross_entropy`'s backward writes ``weight * (softmax - one_hot)`` directly, comparing the vocabulary index with the target inside
-the same elementwise pass: the logits are read once and their gradient written once, in the
-logits' dtype, with no float32 buffer of their size.
+:func:`token_cross_entropy`'s backward writes ``weight * (softmax - one_hot)`` directly,
+comparing the vocabulary index with the target inside the same elementwise pass: the logits are
+read once and their gradient written once, in the logits' dtype, with no float32 buffer of their
+size.
 """
 
 from __future__ import annotations
