@@ -19,7 +19,7 @@ from parity_tests.jaxprs import count_primitive
 from parity_tests.reference import keep_mask as reference_keep_mask
 from parity_tests.reference import sebp_reference
 from parity_tests.tolerances import assert_close
-from sebp_jax import RowPolicy, sebp_matmul
+from sebp_jax import RowPolicy, row_plan, sebp_matmul
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.matmul import SEBPDotGeneral
 
@@ -511,3 +511,26 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
   # Partition, gather (where compacted), dX, dW, and the split dX's reduction.
   expected = 3 + config.compact + (config.dx_split > 1)
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])
+def test_sibling_groups_lower_to_triton_ir(planned):
+  # q, k and v of LLaMA-3B-like widths: one gather of x and the three dy (four sources of
+  # different widths), then dX (the later two accumulating) and dW per sibling; scored (exact
+  # policy, default crossover), one partition of the union of their rows before it.
+  from jax import export
+
+  mask = jax.ShapeDtypeStruct((512,), jnp.bool_)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((512, 192), (192, 320), (192, 64), (192, 64), (512, 320), (512, 64),
+                          (512, 64))]
+
+  def backward(mask, x, kq, kk, kv, dq, dk, dv):
+    return pallas_backend.siblings_backward(
+      x, (kq, kk, kv), (dq, dk, dv), policy=RowPolicy(), crossover=1.0 if planned else None,
+      plan=row_plan(mask) if planned else None)
+  exported = export.export(
+    jax.jit(backward), platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
+                                                                                       *shapes)
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == (not planned) + 1 + 3 + 3

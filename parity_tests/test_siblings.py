@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from parity_tests.impls import impl_params
+from parity_tests.jaxprs import iter_eqns
 from parity_tests.tolerances import assert_close
-from sebp_jax import row_plan, sharded_rows
+import sebp_jax
+from sebp_jax import row_plan, sebp_matmul, sharded_rows
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.matmul import sebp_matmuls
 
@@ -65,6 +67,60 @@ def test_matches_dense_autodiff(impl, dtype, planned):
     assert_close(dw, want, dtype, what=f"dw[{index}]")
 
 
+def _kernel_launches(fn, x, kernels, dys):
+  """The Pallas kernels the backward of ``fn`` runs, by name, in order."""
+  _, vjp = jax.vjp(fn, x, kernels)
+  # The kernel's name: `name` here, `name_and_src_info` (name, then source) in some jax versions.
+  return [str(eqn.params.get("name", eqn.params.get("name_and_src_info"))).split()[0]
+          for eqn in iter_eqns(jax.make_jaxpr(vjp)(dys)) if eqn.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("rows, policy, shared", [
+  ("planned", sebp_jax.RowPolicy(), True),
+  ("scored", sebp_jax.RowPolicy(), True),  # exact: the union of the siblings' kept rows
+  ("scored", sebp_jax.RowPolicy(threshold=0.5), False),
+  ("scored", sebp_jax.RowPolicy(max_rows=4), False),
+], ids=["planned", "scored exact", "threshold", "top-n"])
+def test_siblings_share_one_partition_and_gather_where_exact(rows, policy, shared):
+  # One partition (none under a plan) and one gather of x and every dy where one set of kept
+  # rows is exact for the group; else each sibling selects and gathers its own.
+  mask, x, kernels, dys = _case("float32")
+  plan = row_plan(jnp.asarray(mask)) if rows == "planned" else None
+  launches = _kernel_launches(
+    lambda x, ks: sebp_matmuls(x, ks, policy=policy, impl="interpret", rows=plan), x, kernels,
+    dys)
+  groups = 1 if shared else len(FEATURES)
+  assert launches.count("sebp_gather") == groups
+  assert launches.count("sebp_partition") == (0 if plan is not None else groups)
+  assert launches.count("sebp_dx") == launches.count("sebp_dw") == len(FEATURES)
+
+
+@pytest.mark.parametrize("policy", [sebp_jax.RowPolicy(threshold=0.5),
+                                    sebp_jax.RowPolicy(max_rows=4)], ids=["threshold", "top-n"])
+def test_inexact_policies_select_per_sibling(policy):
+  # Each sibling's gradients are the dense backward of its own dy * keep, as sebp_matmul's.
+  _, x, kernels, dys = _case("float32", seed=6, same_rows=False)
+  got = _grads(lambda x, ks: sebp_matmuls(x, ks, policy=policy, impl="interpret"), x, kernels,
+               dys)
+  parts = [_grads(lambda x, k: sebp_matmul(x, k, policy=policy, impl="xla"), x, kernel, dy)
+           for kernel, dy in zip(kernels, dys)]
+  assert_close(got[0], sum(dx for dx, _ in parts), "float32", what="dx")
+  for dw, (_, want) in zip(got[1], parts):
+    assert_close(dw, want, "float32")
+
+
+@pytest.mark.parametrize("crossover", [0.1, 0.9], ids=["dense branch", "sparse branch"])
+def test_one_crossover_for_the_group(crossover):
+  _, x, kernels, dys = _case("float32", seed=7, same_rows=False)
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", crossover=crossover)  # noqa: E731
+  _, vjp = jax.vjp(fn, x, kernels)
+  assert sum(eqn.primitive.name == "cond" for eqn in iter_eqns(jax.make_jaxpr(vjp)(dys))) == 1
+  (dx, dws), (want_dx, want_dws) = _grads(fn, x, kernels, dys), _grads(_dense, x, kernels, dys)
+  assert_close(dx, want_dx, "float32", what="dx")
+  for dw, want in zip(dws, want_dws):
+    assert_close(dw, want, "float32")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_siblings_keeping_different_rows(impl):
   # Per-layer scoring: each sibling keeps its own rows, so the second adds into rows the first
@@ -112,7 +168,6 @@ def test_bad_input_is_named():
 
 import flax.linen as nn  # noqa: E402
 
-import sebp_jax  # noqa: E402
 from sebp_jax.linen import dense_siblings, swap_dot_general  # noqa: E402
 
 

@@ -61,6 +61,16 @@ def _backend(impl: str, crossover: float | None):
                            crossover=crossover)
 
 
+def _siblings_backend(impl: str, crossover: float | None):
+  """:func:`_backend` for sibling products of one input: ``(x, kernels, dys, *, policy,
+  precision, plan) -> (dx, dws)``, ``dx`` summed over the siblings."""
+  if impl == "xla":
+    return functools.partial(xla_backend.accumulate_siblings, xla_backend.backward)
+  from sebp_jax.backends import pallas as pallas_backend
+  return functools.partial(pallas_backend.siblings_backward, interpret=(impl == "interpret"),
+                           crossover=crossover)
+
+
 def _check_operands(x, kernel, bias, transpose_kernel: bool = False) -> None:
   for name, value in (("x", x), ("kernel", kernel), ("bias", bias)):
     if value is None:
@@ -265,35 +275,29 @@ def _sebp_siblings_fwd(policy, impl, crossover, precision, name, sharding, x, ke
 
 def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, residuals, dys):
   x, kernels, plan = residuals
-  run = functools.partial(_backend(impl, crossover), policy=policy, precision=precision)
-  x2d = x.reshape(-1, x.shape[-1])
-  # Where rows may be sharded, each sibling runs as sebp_matmul's backward does, per shard, and
-  # XLA sums their dx; on one device's rows, each later sibling adds its kept rows into the
-  # first one's dx in place.
-  local = sharding is None and jax.sharding.get_abstract_mesh().empty
-  dx, dws = None, []
-  for index, (kernel, dy) in enumerate(zip(kernels, dys)):
-    if isinstance(dy, SymbolicZero):
-      dws.append(jnp.zeros_like(kernel))
-      continue
-    dy = dy.astype(x.dtype)
+  used = [index for index, dy in enumerate(dys) if not isinstance(dy, SymbolicZero)]
+  dws = [jnp.zeros_like(kernel) for kernel in kernels]
+  if not used:
+    return jnp.zeros_like(x), tuple(dws), None
+  # The siblings share one backward, each device on its own rows (sebp_jax.sharding): each
+  # later one adds its kept rows into the first one's dx in place, and where one set of kept
+  # rows is exact for all (a row plan's, or the union under the exact policy) one gather
+  # serves them all.
+  group = _siblings_backend(impl, crossover)
 
-    def checked_run(x2d, kernel, dy2d, plan, dx_into=None,
-                    label=f"{name or 'sebp_matmuls'}[{index}]"):
-      # A checking plan reads the rows this backward runs on: each device's own where sharded
-      # (no collective, as sebp_matmul's check).
-      if plan is not None and plan.check:
-        check_plan_covers(plan, dy2d, label)
-      return run(x2d, kernel, dy2d, plan=plan, dx_into=dx_into)
-    if local:
-      dx2d, dw = checked_run(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan,
-                             dx_into=None if dx is None else dx.reshape(x2d.shape))
-      dx = dx2d.reshape(x.shape)
-    else:
-      part, dw = per_shard_backward(checked_run, x, kernel, dy, sharding, plan=plan)
-      dx = part if dx is None else dx + part
-    dws.append(dw)
-  return (jnp.zeros_like(x) if dx is None else dx), tuple(dws), None
+  def backward(x2d, group_kernels, group_dys, plan):
+    if plan is not None and plan.check:  # on this device's rows: no collective
+      for index, dy2d in zip(used, group_dys):
+        check_plan_covers(plan, dy2d, f"{name or 'sebp_matmuls'}[{index}]")
+    dx2d, group_dws = group(x2d, list(group_kernels), list(group_dys), policy=policy,
+                            precision=precision, plan=plan)
+    return dx2d, tuple(group_dws)
+  dx, used_dws = per_shard_backward(backward, x, tuple(kernels[index] for index in used),
+                                    tuple(dys[index].astype(x.dtype) for index in used),
+                                    sharding, plan=plan)
+  for index, dw in zip(used, used_dws):
+    dws[index] = dw
+  return dx, tuple(dws), None
 
 
 _sebp_siblings.defvjp(_sebp_siblings_fwd, _sebp_siblings_bwd, symbolic_zeros=True)
@@ -316,9 +320,11 @@ def sebp_matmuls(
   Each product's backward is :func:`sebp_matmul`'s, on its own kept rows, but their ``dx`` are
   summed as they are made: each later sibling's dX kernel adds its kept rows into the first
   one's ``dx`` in place (``impl="pallas"``), instead of writing a whole ``(rows, K)`` ``dx`` of
-  its own, zeros included, for XLA to read back and add. Where the rows are sharded
-  (:func:`sebp_jax.sharded_rows`, a mesh in context), each sibling runs as :func:`sebp_matmul`
-  does and XLA sums their ``dx``.
+  its own, zeros included, for XLA to read back and add; where one set of kept rows is exact
+  for every sibling (a row plan's, or their union under the exact policy), one partition and
+  one gather serve them all. Where the rows are sharded (:func:`sebp_jax.sharded_rows`, a mesh
+  in context) each device runs that shared backward on its own rows, as :func:`sebp_matmul`'s
+  does; the operands of every sibling must then be sharded alike.
 
   Args:
     x: ``(..., K)`` input, rank >= 2.

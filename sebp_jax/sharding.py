@@ -138,7 +138,8 @@ def fsdp_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> P:
   return P()
 
 
-# (x2d | None, kernel | None, dy2d, plan: RowPlan | None) -> (dx2d | None, dw | None)
+# (x2d | None, kernel | None, dy2d, plan: RowPlan | None) -> (dx2d | None, dw | None); for sibling
+# products of one x, kernel and dy2d are tuples (one per sibling), dw a tuple, dx2d their sum.
 Backward = Callable[..., tuple]
 
 
@@ -158,15 +159,21 @@ def _local_backward(backward: Backward, x, kernel, dy, plan: RowPlan | None, *,
   product's broadcast of the kernel gives inside ``shard_map(check_vma=True)``.
   """
   x2d = None if x is None else x.reshape(-1, x.shape[-1])
-  dx2d, dw = backward(x2d, kernel, dy.reshape(-1, dy.shape[-1]), plan)
-  dx = None if dx2d is None else dx2d.reshape(*dy.shape[:-1], dx2d.shape[-1])
-  if dw is not None:
-    if reduce_over is None:
+  dx2d, dw = backward(x2d, kernel, jax.tree.map(lambda d: d.reshape(-1, d.shape[-1]), dy), plan)
+  rows = jax.tree.leaves(dy)[0].shape[:-1]
+  dx = None if dx2d is None else dx2d.reshape(*rows, dx2d.shape[-1])
+  if dw is None:
+    return dx, dw
+
+  def reduced(dw, kernel):
+    axes = reduce_over
+    if axes is None:
       kernel_axes = frozenset() if kernel is None else _varying(kernel)
-      reduce_over = tuple(sorted(_varying(dw) - kernel_axes))
-    if reduce_over:
-      dw = lax.psum(dw, tuple(reduce_over))
-  return dx, dw
+      axes = tuple(sorted(_varying(dw) - kernel_axes))
+    return lax.psum(dw, tuple(axes)) if axes else dw
+  if isinstance(dw, tuple):  # siblings: one dw per kernel
+    return dx, tuple(reduced(d, k) for d, k in zip(dw, kernel))
+  return dx, reduced(dw, kernel)
 
 
 def _spec_axes(entry) -> tuple[str, ...]:
@@ -247,8 +254,16 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
     the devices' rows.
   """
   context = jax.sharding.get_abstract_mesh()
+  siblings = isinstance(dy, tuple)
+  first_dy = dy[0] if siblings else dy
   if not context.empty and AxisType.Explicit in context.axis_types:
-    row_entries, k_axes = _explicit_specs(x, kernel, dy)
+    found = {_explicit_specs(x, k, d) for k, d in (zip(kernel, dy) if siblings else
+                                                    [(kernel, dy)])}
+    if len(found) != 1:
+      raise ValueError(
+        f"sebp_matmuls: the sibling products' operands are sharded differently ({found}); "
+        f"reshard them alike or call each as sebp_matmul.")
+    (row_entries, k_axes), = found
     mesh, explicit = context, True
   elif rows is not None and rows.axes:
     mesh = rows.mesh if rows.mesh is not None else context
@@ -256,8 +271,8 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
       raise ValueError(
         f"sebp_matmul: sharded_rows({rows.axes}) needs a mesh: pass sharded_rows(..., mesh=mesh) "
         f"or set one with jax.set_mesh(mesh).")
-    _check_divisible(dy.shape[0], rows.axes, mesh)
-    row_entries, k_axes, explicit = (rows.axes,) + (None,) * (dy.ndim - 2), (), False
+    _check_divisible(first_dy.shape[0], rows.axes, mesh)
+    row_entries, k_axes, explicit = (rows.axes,) + (None,) * (first_dy.ndim - 2), (), False
   else:
     unseen = [a for a, t in zip(context.axis_names, context.axis_types)
               if t == AxisType.Auto and context.shape[a] > 1]
@@ -276,7 +291,7 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
   specs = {"x": P(*row_entries, k_entry), "kernel": P(k_entry, None), "dy": P(*row_entries, None),
            "keep": P(*row_entries)}
   # A plan of sharded rows travels as its mask, sharded like the rows; each device re-plans.
-  keep = None if plan is None or not row_axes else plan.keep.reshape(dy.shape[:-1])
+  keep = None if plan is None or not row_axes else plan.keep.reshape(first_dy.shape[:-1])
   if keep is not None and explicit:  # its type must say so; a local slice, no collective
     keep = jax.sharding.reshard(keep, specs["keep"])
   present = {name: value for name, value in (("x", x), ("kernel", kernel), ("dy", dy),
@@ -291,7 +306,7 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
     local_plan = plan if "keep" not in operands else row_plan(operands["keep"], check=plan.check)
     dx, dw = _local_backward(backward, operands.get("x"), operands.get("kernel"),
                              operands["dy"], local_plan, reduce_over=() if partial else row_axes)
-    return dx, (dw[None] if partial else dw)
+    return dx, (jax.tree.map(lambda d: d[None], dw) if partial else dw)
 
   dx, dw = jax.shard_map(
     body, mesh=mesh, in_specs=({n: specs[n] for n in present},),
@@ -299,4 +314,4 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
     # Unchecked: the Pallas interpreter cannot run kernels with loops on varying values (jax
     # 0.10); the reductions are explicit above.
     axis_names=set(row_axes) | set(k_axes), check_vma=False)(present)
-  return dx, (_sum_partials(dw) if partial else dw)
+  return dx, (jax.tree.map(_sum_partials, dw) if partial else dw)

@@ -48,13 +48,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from sebp_jax.backends.xla import DW_DIMS, DX_DIMS, DX_NK_DIMS, dense_backward
+from sebp_jax.backends.xla import (DW_DIMS, DX_DIMS, DX_NK_DIMS, accumulate_siblings,
+                                   dense_backward)
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
 __all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
-           "backward",
-           "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
+           "backward", "siblings_backward", "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -724,6 +724,41 @@ def _row_block(config: BlockConfig) -> int:
   return max(config.dx_m, config.dw_m)
 
 
+def _k_pad(in_features: int, config: BlockConfig) -> int:
+  return _round_up(in_features, max(config.dx_k, config.dw_k))
+
+
+def _n_pad(out_features: int, config: BlockConfig) -> int:
+  return _round_up(out_features, max(config.dx_n, config.dw_n))
+
+
+def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
+              out_features: int, config: BlockConfig, precision, interpret: bool,
+              kernel_nk: bool, dx_into):
+  """dX and dW of one layer from its (compacted or in-place) rows: ``xc`` (or ``None``) and
+  ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``."""
+  m_pad, n_pad = dyc.shape
+  k_pad = _k_pad(in_features, config) if xc is None else xc.shape[1]
+  dx = dw = None
+  if kernel is not None:
+    dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
+                   count, config=config, precision=precision, interpret=interpret,
+                   kernel_nk=kernel_nk,
+                   accumulator=None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad)))
+    dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
+  if xc is not None:
+    # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
+    # two sides too (the padding above is by tile side, so it still fits).
+    lhs, rhs, dw_config, dw_shape = (xc, dyc, config, (in_features, out_features))
+    if kernel_nk:
+      lhs, rhs, dw_shape = dyc, xc, (out_features, in_features)
+      dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
+    dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
+                   interpret=interpret)
+    dw = dw[:dw_shape[0], :dw_shape[1]] if dw.shape != dw_shape else dw
+  return dx, dw
+
+
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
                     interpret: bool = False, kernel_nk: bool = False, dx_into=None):
   """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
@@ -732,33 +767,80 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
-  k_pad = _round_up(in_features, max(config.dx_k, config.dw_k))
-  n_pad = _round_up(out_features, max(config.dx_n, config.dw_n))
-  sources = [_pad_to(dy, (m_pad, n_pad))]
+  sources = [_pad_to(dy, (m_pad, _n_pad(out_features, config)))]
   if x is not None:
-    sources.append(_pad_to(x, (m_pad, k_pad)))
+    sources.append(_pad_to(x, (m_pad, _k_pad(in_features, config))))
   if config.compact:
     sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
                             interpret=interpret)
   dyc, *xc = sources
-  dx = dw = None
-  if kernel is not None:
-    dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
-                   count, config=config, precision=precision, interpret=interpret,
-                   kernel_nk=kernel_nk,
-                   accumulator=None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad)))
-    dx = dx[:num_rows, :in_features] if dx.shape != (num_rows, in_features) else dx
-  if x is not None:
-    # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
-    # two sides too (the padding above is by tile side, so it still fits).
-    lhs, rhs, dw_config, dw_shape = (xc[0], dyc, config, (in_features, out_features))
-    if kernel_nk:
-      lhs, rhs, dw_shape = dyc, xc[0], (out_features, in_features)
-      dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
-    dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
-                   interpret=interpret)
-    dw = dw[:dw_shape[0], :dw_shape[1]] if dw.shape != dw_shape else dw
-  return dx, dw
+  return _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
+                   in_features=in_features, out_features=out_features, config=config,
+                   precision=precision, interpret=interpret, kernel_nk=kernel_nk,
+                   dx_into=dx_into)
+
+
+def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
+                      interpret: bool = False, crossover: float | None = None,
+                      plan: RowPlan | None = None):
+  """SEBP backward of sibling products ``y_i = x @ kernels[i]`` of one input: ``(dx, dws)``,
+  ``dx`` the sum of every sibling's.
+
+  Where the siblings may share one set of kept rows, they do: a row plan's, or under the exact
+  policy the union of each sibling's kept rows (a row that is zero in one sibling's ``dy`` adds
+  nothing to its products, so the union is exact). Then one partition (none under a plan), one
+  gather launch that copies the kept rows of ``x`` and of every ``dys[i]``, each sibling's
+  products on those copies, its dX adding into the first sibling's in place, and at most one
+  crossover conditional for the group. Otherwise (a threshold or Top-N policy, a layer whose
+  tiles read rows in place) each sibling runs :func:`backward` on its own rows, adding its
+  ``dx`` into the running sum (``dx_into``).
+
+  Args:
+    x: ``(M, K)`` input.
+    kernels: ``(K, N_i)`` weights.
+    dys: ``(M, N_i)`` output gradients, one per kernel.
+    policy, precision, interpret, crossover, plan: as in :func:`backward`.
+  """
+  num_rows, in_features = x.shape
+  configs = [block_config(num_rows, in_features, dy.shape[1], dy.dtype) for dy in dys]
+  if crossover is not None:
+    configs = [dataclasses.replace(config, crossover=crossover) for config in configs]
+  if not all(config.compact for config in configs) or (plan is None and not policy.is_exact):
+    return accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
+                               interpret=interpret, crossover=crossover, plan=plan)
+  # Row blocks and column padding that fit every sibling's tiles (all powers of two).
+  block_m = max(_row_block(config) for config in configs)
+  m_pad = _round_up(num_rows, block_m)
+  if plan is None:
+    keep = functools.reduce(jnp.logical_or, [keep_mask(dy, policy) for dy in dys])
+    perm, count = partition_pallas(_pad_to(keep, (m_pad,)), interpret=interpret)
+  else:
+    keep, perm, count = plan.keep, plan.perm, plan.count
+    assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
+  k_pad = max(_k_pad(in_features, config) for config in configs)
+
+  def sparse():
+    xc, *dycs = gather_pallas(
+      [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, _n_pad(dy.shape[1], config)))
+                                      for dy, config in zip(dys, configs)],
+      perm, count, block_m=block_m, interpret=interpret)
+    dx, dws = None, []
+    for kernel, dy, dyc, config in zip(kernels, dys, dycs, configs):
+      dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
+                         in_features=in_features, out_features=dy.shape[1], config=config,
+                         precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx)
+      dws.append(dw)
+    return dx, dws
+
+  def dense():
+    parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
+                            planned=plan is not None) for kernel, dy in zip(kernels, dys)]
+    return functools.reduce(jnp.add, [dx for dx, _ in parts]), [dw for _, dw in parts]
+
+  threshold = min(config.crossover for config in configs)
+  if threshold >= 1.0:  # no dense branch: no conditional at all
+    return sparse()
+  return lax.cond(count[0] > int(threshold * num_rows), dense, sparse)
 
 
 def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: bool = False,

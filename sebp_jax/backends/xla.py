@@ -15,7 +15,7 @@ from jax import lax
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["backward", "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
+__all__ = ["backward", "accumulate_siblings", "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
 
 # Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
 # branches cost compile time and gain nothing.
@@ -137,3 +137,16 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan 
   branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), count, side="left",
                             method="compare_all")
   return lax.switch(branch, [*branches, dense])
+
+
+def accumulate_siblings(sibling_backward, x, kernels, dys, **options):
+  """``(dx, dws)`` of sibling products ``x @ kernels[i]`` of one input, ``dx`` summed over them:
+  ``sibling_backward`` (a backend's ``backward``) for each in turn, each adding its ``dx`` into
+  the running sum (``dx_into``). The XLA backend's sibling backward, and the Pallas backend's
+  where its siblings cannot share one gather."""
+  dx, dws = None, []
+  for kernel, dy in zip(kernels, dys):
+    dx, dw = sibling_backward(x, kernel, dy, dx_into=dx, **options)
+    dws.append(dw)
+  return dx, dws
+
