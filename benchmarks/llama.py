@@ -40,11 +40,12 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def _config(tiny: bool, layers: int | None = None):
+def _config(tiny: bool, layers: int | None = None, scan_layers: bool = False):
   from sebp_jax.models import LlamaConfig
 
   layers = {} if layers is None else {"num_hidden_layers": layers}
-  return LlamaConfig.llama_3_2_3b(**{**(_TINY if tiny else {}), **layers})
+  return LlamaConfig.llama_3_2_3b(**{**(_TINY if tiny else {}), **layers},
+                                  scan_layers=scan_layers)
 
 
 def make_batch(lengths: np.ndarray, seq_len: int, rng: np.random.Generator,
@@ -134,10 +135,11 @@ def _without_padding_mask(model):
   return RightPaddedCausalLM(model)
 
 
-def build(tiny: bool, layers: int | None = None) -> ModelSpec:
+def build(tiny: bool, layers: int | None = None, scan_layers: bool = False) -> ModelSpec:
   """The LLaMA-3.2-3B benchmark (``tiny``: a 1-layer model at context 128, batch 1 and 2);
-  ``layers``: that many of its decoder layers instead of all 28 (or the tiny model's 1)."""
-  config = _config(tiny, layers)
+  ``layers``: that many of its decoder layers instead of all 28 (or the tiny model's 1);
+  ``scan_layers``: the JAX model's layers as one ``nn.scan`` (``LlamaConfig.scan_layers``)."""
+  config = _config(tiny, layers, scan_layers)
   seq_len = 128 if tiny else 4096
   workloads = tuple(Workload(name, name, dataset_lengths("llama", name)) for name in DATASETS)
   workloads += (Workload("full_length", "every row real", np.array([seq_len])),)

@@ -93,7 +93,7 @@ def model_spec(case: ModelCase, args: argparse.Namespace) -> ModelSpec:
   from benchmarks import bert, llama
 
   if case.name == "llama":
-    return llama.build(args.tiny, layers=args.llama_layers)
+    return llama.build(args.tiny, layers=args.llama_layers, scan_layers=args.scan_layers)
   return bert.build(args.tiny)
 
 
@@ -332,6 +332,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="the first N workloads of each model (default 1)")
   parser.add_argument("--llama-layers", type=int, default=8, metavar="L",
                       help="LLaMA-3.2-3B decoder layers to keep (default 8 of 28)")
+  parser.add_argument("--scan-layers", action="store_true",
+                      help="LLaMA's decoder layers as one nn.scan over stacked parameters, so "
+                           "that XLA's collective pipeliner can gather layer i+1's FSDP shards "
+                           "while layer i computes (with XLA_FLAGS="
+                           "--xla_gpu_enable_pipelined_all_gather=true "
+                           "--xla_gpu_enable_pipelined_reduce_scatter=true)")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--steps", type=int, default=3, help="timed steps, distinct batches")
   parser.add_argument("--time-budget", type=float, default=420.0,
@@ -374,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     "xla_flags": os.environ.get("XLA_FLAGS", ""), "pgle": args.pgle,
     "note": ("Profile-guided latency estimation (--pgle): every program recompiled with its "
              "first call's op times. " if args.pgle else "") + ("Tiny models." if args.tiny else
-             f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes), FSDP, context 4096, "
+             f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes"
+             f"{', scanned' if args.scan_layers else ''}), FSDP, context 4096, "
              f"2 sequences per device; BERT-base data parallel, context 512, 32 per device."),
     "rows": []}
   stem = "multi_device" + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")

@@ -70,6 +70,42 @@ def _loss(matmul, gather=lambda w: w, matmuls=None):
   return loss
 
 
+def _scanned_loss(matmul):
+  """Sum of squares, on the real tokens, of two residual blocks ``h + tanh(h w1) w2`` run as one
+  ``lax.scan`` over stacked weights, as a scanned transformer runs its layers."""
+  real = (jnp.arange(T) < REAL)[None, :, None]
+
+  def loss(params, x):
+    def block(h, weights):
+      w1, w2 = weights
+      return h + matmul(jnp.tanh(matmul(h, w1)), w2), None
+
+    h, _ = jax.lax.scan(block, x, params)
+    return jnp.sum(jnp.where(real, h, 0.0) ** 2)
+
+  return loss
+
+
+def _scanned(case: str, impl: str, sebp_mm, x) -> None:
+  """``fsdp[_planned]_scanned``: :func:`_scanned_loss` with its stacked weights FSDP-sharded on
+  their per-layer dim, against one device's dense autodiff."""
+  keys = jax.random.split(jax.random.key(1), 2)
+  params = (jax.random.normal(keys[0], (2, K, H)) / K ** 0.5,
+            jax.random.normal(keys[1], (2, H, K)) / H ** 0.5)
+  reference = jax.grad(_scanned_loss(lambda a, w: a @ w))(params, x)
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), axis_types=(AxisType.Auto,))
+  w_sharding = NamedSharding(mesh, P(None, "fsdp"))
+
+  def sebp_loss(params, x):
+    with sharded_rows("fsdp"):
+      return _scanned_loss(sebp_mm)(params, x)
+
+  with jax.set_mesh(mesh):
+    _check(case, impl, sebp_loss, _scanned_loss(lambda a, w: a @ w), params, x, reference,
+           in_shardings=((w_sharding,) * 2, NamedSharding(mesh, P("fsdp"))),
+           out_shardings=(w_sharding,) * 2)
+
+
 def _error_over_tolerance(grads, reference) -> float:
   """The largest ``|error| / (atol + rtol |reference|)`` over the gradient trees: <= 1 is
   within the float32 tolerance."""
@@ -119,6 +155,9 @@ def main(impl: str, cases: list[str]) -> None:
     data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
   )
   for case in cases:
+    if case.endswith("_scanned"):
+      _scanned(case, impl, planned_mm if case == "fsdp_planned_scanned" else scoring_mm, x)
+      continue
     # "<case>_siblings": the first layer as two sibling products under one backward
     # (sebp_matmuls); "<case>_planned": with a row plan, which each device re-plans for its rows.
     siblings = case.endswith("_siblings")

@@ -24,7 +24,7 @@ from sebp_jax.models import bert as bert_module
 from sebp_jax.models.bert import BertConfig, BertForSequenceClassification, BertModel
 from sebp_jax.models.hf_import import build_module, from_hf, from_pretrained
 from sebp_jax.models.llama import (LlamaConfig, LlamaForCausalLM, RopeScaling, causal_lm_loss,
-                                   rope_inverse_frequencies)
+                                   rope_inverse_frequencies, stack_layers, unstack_layers)
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,6 +151,43 @@ def test_llama_multi_head_attention_with_bias():
   ids, mask = padded_batch(4)
   assert_matches_hf(module.apply(params, ids, mask), torch_forward(hf, ids, mask), mask,
                     "LlamaForCausalLM logits (MHA, biases)")
+
+
+def test_llama_scanned_layers_match_hf_and_stacked_parameters():
+  """``scan_layers=True`` with HF weights stacked: HF's logits; the same gradients as the
+  unrolled model's, stacked; a row plan inside the scan gives them too."""
+  from sebp_jax import RowPolicy, row_plan, swap_dense
+
+  torch.manual_seed(5)
+  hf = transformers.LlamaForCausalLM(hf_llama_config(tie_word_embeddings=True)).eval()
+  module, params = from_hf(hf)
+  layers = module.config.num_hidden_layers
+  scanned = module.clone(config=dataclasses.replace(module.config, scan_layers=True))
+  stacked = stack_layers(params, layers)
+  assert stacked["params"]["model"]["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == layers
+  jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked), params)
+  ids, mask = padded_batch(5, lengths=(11, 4, 2), length=16)
+  assert_matches_hf(jax.jit(scanned.apply)(stacked, ids, mask), torch_forward(hf, ids, mask),
+                    mask, "LlamaForCausalLM logits, scanned layers")
+
+  labels = jnp.where(mask == 1, ids, -100)
+  loss = lambda m: lambda p: causal_lm_loss(m.apply(p, ids, mask), labels)  # noqa: E731
+  want = stack_layers(jax.jit(jax.grad(loss(module)))(params), layers)
+
+  def planned(p):
+    with swap_dense(RowPolicy(), crossover=1.0, rows=row_plan(mask, check=True)):
+      return loss(scanned)(p)
+
+  for got in (jax.jit(jax.grad(loss(scanned)))(stacked), jax.jit(jax.grad(planned))(stacked)):
+    jax.tree.map(lambda g, w: assert_close(g, w, jnp.float32, what="scanned gradient"), got, want)
+
+
+def test_stack_layers_rejects_a_wrong_layer_count():
+  params = {"params": {"model": {f"layers_{i}": {"w": jnp.ones(2)} for i in range(3)}}}
+  with pytest.raises(ValueError, match="`num_layers` is 4, but the parameters hold 3"):
+    stack_layers(params, 4)
+  with pytest.raises(ValueError, match="no 'model' entry"):
+    stack_layers({"params": {"encoder": {}}}, 3)
 
 
 def test_rope_scaling_changes_the_output():

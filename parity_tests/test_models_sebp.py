@@ -86,12 +86,13 @@ def test_bert_classifier_gradients():
   assert_swap_exact(loss, params)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_llama_gradients(tied):
+@pytest.mark.parametrize("tied,scan", [(False, False), (True, False), (True, True)],
+                         ids=["untied", "tied", "tied-scanned"])
+def test_llama_gradients(tied, scan):
   config = LlamaConfig(
     vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
     num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tied,
-    rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16), scan_layers=scan)
   model = LlamaForCausalLM(config)
   ids, mask = padded_batch(1, config.vocab_size)
   params = model.init(jax.random.key(1), ids, mask)

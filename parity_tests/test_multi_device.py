@@ -24,7 +24,9 @@ CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked"
          # With the weights stored (out, in), as a tied embedding is (transpose_kernel=True).
          "data_parallel_nk", "fsdp_nk", "explicit_nk",
          # The first layer as two siblings under one backward (sebp_matmuls).
-         "fsdp_siblings", "data_fsdp_planned_siblings", "explicit_siblings")
+         "fsdp_siblings", "data_fsdp_planned_siblings", "explicit_siblings",
+         # Two blocks as one lax.scan over stacked, FSDP-sharded weights (a scanned model).
+         "fsdp_scanned", "fsdp_planned_scanned")
 # The Pallas interpreter (jax 0.10) cannot run kernels whose loops carry varying values inside
 # shard_map(check_vma=True): the interpreter is checked unchecked, and the GPU kernels' tracing
 # under check_vma=True is checked by `pallas_traces_in_shard_map`.
@@ -145,3 +147,12 @@ def test_benchmark_rejects_pgle_without_a_warm_up_step():
   # Checked before any device is looked at: each program's first warm-up call is its recompile.
   with pytest.raises(SystemExit, match="--pgle needs --warmup >= 1"):
     multi_device.main(["--pgle", "--warmup", "0", "--tiny"])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_benchmark_builds_the_scanned_llama_on_request(scan):
+  from benchmarks import multi_device
+
+  args = multi_device._parser().parse_args(["--tiny", *(["--scan-layers"] if scan else [])])
+  module = multi_device.model_spec(multi_device.MODELS["llama"], args).jax_module()
+  assert module.config.scan_layers is scan

@@ -12,6 +12,14 @@ tied embeddings the output projection is the embedding matrix itself
 the same model from Gemma-style ``nn.Einsum`` layers instead: per-head kernels
 ``(hidden, heads, head_dim)`` for ``q/k/v_proj`` and ``(heads, head_dim, hidden)`` for ``o_proj``
 (the Dense kernels reshaped, same values), ``...D,DF->...F`` for the MLP.
+
+``scan_layers=True`` runs the decoder layers as one ``nn.scan`` over stacked parameters
+(``model/layers/self_attn/k_proj/kernel`` of shape ``(num_hidden_layers, ...)``): one layer's
+program in a loop, which is what lets XLA:GPU's collective pipeliner fetch layer ``i + 1``'s
+FSDP-sharded weights while layer ``i`` computes (``--xla_gpu_enable_pipelined_all_gather``,
+``..._reduce_scatter``: flags for while loops, idle in the unrolled model).
+:func:`stack_layers` / :func:`unstack_layers` convert parameters between the two layouts (HF
+weights import into the unrolled one).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from sebp_jax.models.inputs import token_inputs
 from sebp_jax.models.rms_norm import RMSNorm
 
 __all__ = ["PROJECTIONS", "RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
-           "rope_inverse_frequencies", "IGNORE_INDEX"]
+           "rope_inverse_frequencies", "stack_layers", "unstack_layers", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # HF's label for positions without loss
 PROJECTIONS = ("dense", "einsum")
@@ -74,7 +82,9 @@ class LlamaConfig:
 
   ``attention_impl`` is this project's own: ``"auto"``, ``"xla"`` or ``"cudnn"`` (see
   :mod:`sebp_jax.models.attention`); so is ``projections``: ``"dense"`` (``nn.Dense`` layers, HF's
-  layout) or ``"einsum"`` (Gemma-style ``nn.Einsum`` layers, per-head attention kernels).
+  layout) or ``"einsum"`` (Gemma-style ``nn.Einsum`` layers, per-head attention kernels); and
+  ``scan_layers``: the decoder layers as one ``nn.scan`` over stacked parameters (the module
+  docstring says why).
   """
 
   vocab_size: int
@@ -96,6 +106,7 @@ class LlamaConfig:
   attention_dropout: float = 0.0
   attention_impl: str = "auto"
   projections: str = "dense"
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.num_key_value_heads is None:
@@ -263,6 +274,13 @@ class LlamaDecoderLayer(_LlamaModule):
     return x + LlamaMLP(**kw, name="mlp")(h)
 
 
+class _ScannedDecoderLayer(LlamaDecoderLayer):
+  """:class:`LlamaDecoderLayer` as ``nn.scan``'s body: ``(carry, out) = (x, None)``."""
+
+  def __call__(self, x, cos, sin, attention_mask, deterministic: bool, right_padded: bool):
+    return super().__call__(x, cos, sin, attention_mask, deterministic, right_padded), None
+
+
 class LlamaModel(_LlamaModule):
   """HF ``LlamaModel``: embeddings, decoder layers, final norm. Returns ``(B, T, hidden)``."""
 
@@ -272,7 +290,14 @@ class LlamaModel(_LlamaModule):
     self.embed_tokens = Embed(
       cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
       embedding_init=nn.initializers.normal(cfg.initializer_range))
-    self.layers = [LlamaDecoderLayer(**kw) for _ in range(cfg.num_hidden_layers)]
+    if cfg.scan_layers:
+      # One decoder layer's program in a loop over stacked parameters (see `LlamaConfig`).
+      self.layers = nn.scan(
+        _ScannedDecoderLayer, variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
+        length=cfg.num_hidden_layers)(**kw)
+    else:
+      self.layers = [LlamaDecoderLayer(**kw) for _ in range(cfg.num_hidden_layers)]
     self.norm = self.rms_norm()
 
   def __call__(self, input_ids, attention_mask=None, position_ids=None, *,
@@ -283,8 +308,11 @@ class LlamaModel(_LlamaModule):
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x = self.embed_tokens(input_ids)
-    for layer in self.layers:
-      x = layer(x, cos, sin, attention_mask, deterministic, right_padded)
+    if self.config.scan_layers:
+      x, _ = self.layers(x, cos, sin, attention_mask, deterministic, right_padded)
+    else:
+      for layer in self.layers:
+        x = layer(x, cos, sin, attention_mask, deterministic, right_padded)
     return self.norm(x)
 
 
@@ -331,6 +359,49 @@ class LlamaForCausalLM(_LlamaModule):
     if self.config.tie_word_embeddings:
       return self.model.embed_tokens.attend(hidden)
     return self.lm_head(hidden)
+
+
+def _with_model(params: Mapping[str, Any], edit) -> dict:
+  """``params`` (``{"params": {"model": ...}}`` or ``{"model": ...}``) with its ``model`` tree
+  replaced by ``edit(model)``."""
+  if "params" in params and "model" not in params:
+    return {**params, "params": _with_model(params["params"], edit)}
+  if "model" not in params:
+    raise ValueError("`params` has no 'model' entry (a LlamaForCausalLM's parameters).")
+  return {**params, "model": edit(dict(params["model"]))}
+
+
+def stack_layers(params: Mapping[str, Any], num_layers: int) -> dict:
+  """``params`` of the unrolled model (``.../model/layers_0 ... layers_{L-1}``, as
+  :func:`sebp_jax.models.from_hf` imports them) in the ``scan_layers=True`` layout: one
+  ``.../model/layers`` tree whose leaves stack the layers' along a new leading axis.
+
+  Raises:
+    ValueError: ``params`` has no ``model`` tree with exactly ``layers_0 .. layers_{L-1}``.
+  """
+  names = [f"layers_{i}" for i in range(num_layers)]
+
+  def edit(model):
+    found = sorted(name for name in model if name.startswith("layers_"))
+    if found != sorted(names):
+      raise ValueError(f"stack_layers: `num_layers` is {num_layers}, but the parameters hold "
+                       f"{len(found)} 'layers_<i>' entries.")
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[model.pop(n) for n in names])
+    return {**model, "layers": stacked}
+
+  return _with_model(params, edit)
+
+
+def unstack_layers(params: Mapping[str, Any]) -> dict:
+  """The inverse of :func:`stack_layers`: ``.../model/layers`` split into ``layers_<i>``."""
+
+  def edit(model):
+    stacked = model.pop("layers")
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    return {**model, **{f"layers_{i}": jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
+                        for i in range(count)}}
+
+  return _with_model(params, edit)
 
 
 def causal_lm_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
