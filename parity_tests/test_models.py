@@ -162,9 +162,10 @@ def test_llama_scanned_layers_match_hf_and_stacked_parameters():
   hf = transformers.LlamaForCausalLM(hf_llama_config(tie_word_embeddings=True)).eval()
   module, params = from_hf(hf)
   layers = module.config.num_hidden_layers
-  scanned = module.clone(config=dataclasses.replace(module.config, scan_layers=True))
-  stacked = stack_layers(params, layers)
+  scanned, stacked = from_hf(hf, scan_layers=True)  # imported, then stacked
+  assert scanned.config.scan_layers
   assert stacked["params"]["model"]["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == layers
+  jax.tree.map(np.testing.assert_array_equal, stacked, stack_layers(params, layers))
   jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked), params)
   ids, mask = padded_batch(5, lengths=(11, 4, 2), length=16)
   assert_matches_hf(jax.jit(scanned.apply)(stacked, ids, mask), torch_forward(hf, ids, mask),

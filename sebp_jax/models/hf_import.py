@@ -14,6 +14,7 @@ a mismatch between checkpoint and config fails loudly instead of leaving random 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import numpy as np
 from flax import traverse_util
 
 from sebp_jax.models.bert import BertConfig, BertForSequenceClassification, BertModel
-from sebp_jax.models.llama import LlamaConfig, LlamaForCausalLM
+from sebp_jax.models.llama import LlamaConfig, LlamaForCausalLM, stack_layers
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "build_module", "convert_state_dict", "from_hf",
            "from_pretrained"]
@@ -96,11 +97,16 @@ def convert_state_dict(
     state_dict: HF parameter name -> array in torch layout (``Linear.weight`` is ``(out, in)``).
 
   Returns:
-    ``{"params": ...}`` for ``module.apply``.
+    ``{"params": ...}`` for ``module.apply`` (a LLaMA with ``scan_layers`` gets its layers
+    stacked, :func:`sebp_jax.models.llama.stack_layers`).
 
   Raises:
     ValueError: a tensor maps to no parameter or has the wrong shape, or a parameter is missing.
   """
+  config = module.config
+  if getattr(config, "scan_layers", False):
+    unrolled = module.clone(config=dataclasses.replace(config, scan_layers=False))
+    return stack_layers(convert_state_dict(unrolled, state_dict), config.num_hidden_layers)
   ids = jnp.zeros((1, 1), jnp.int32)
   shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), ids))["params"]
   targets = traverse_util.flatten_dict(shapes)
