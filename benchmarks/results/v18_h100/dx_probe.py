@@ -25,6 +25,12 @@ CONFIGS = ["table", "m64_k64_n128_s4", "m64_k64_n256_s3", "m32_k64_n128_s4", "m3
            "m128_k64_n64_s4_w4_split8", "m64_k64_n128_s4_split4", "m64_k128_n128_s4_split4",
            "m128_k128_n64_s4_w8_split8"]
 
+import os
+if os.environ.get("PROBE_CONFIGS"):
+  CONFIGS = os.environ["PROBE_CONFIGS"].split()
+if os.environ.get("PROBE_SHAPES"):
+  SHAPES = {k: SHAPES[k] for k in os.environ["PROBE_SHAPES"].split()}
+
 def config_for(K, N, name):
   base = P.block_config(M, K, N, jnp.bfloat16)
   o = parse(name)
