@@ -136,8 +136,9 @@ def test_siblings_keeping_different_rows(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_an_unused_sibling_gets_a_zero_gradient(impl):
   _, x, kernels, dys = _case("float32", seed=2)
-  loss = lambda x, ks: sum(jnp.sum(y * d) for y, d in zip(sebp_matmuls(x, ks, impl=impl)[1:],  # noqa: E731
-                                                         dys[1:]))
+  def loss(x, ks):
+    return sum(jnp.sum(y * d) for y, d in zip(sebp_matmuls(x, ks, impl=impl)[1:], dys[1:]))
+
   dx, dws = jax.grad(loss, argnums=(0, 1))(x, kernels)
   want_dx, want_dws = _grads(lambda x, ks: _dense(x, ks[1:]), x, kernels, dys[1:])
   assert_close(dx, want_dx, "float32")

@@ -54,7 +54,8 @@ from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
 __all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
-           "backward", "siblings_backward", "sparse_backward", "partition_pallas", "gather_pallas", "dx_pallas", "dw_pallas"]
+           "backward", "siblings_backward", "sparse_backward", "partition_pallas", "gather_pallas",
+           "dx_pallas", "dw_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from jax import lax
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["backward", "accumulate_siblings", "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
+__all__ = ["backward", "accumulate_siblings", "dense_backward", "capacities", "DX_DIMS",
+           "DX_NK_DIMS", "DW_DIMS"]
 
 # Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
 # branches cost compile time and gain nothing.

@@ -40,8 +40,9 @@ from sebp_jax.models.embedding import Embed
 from sebp_jax.models.inputs import token_inputs
 from sebp_jax.models.rms_norm import RMSNorm
 
-__all__ = ["PROJECTIONS", "RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM", "causal_lm_loss",
-           "rope_inverse_frequencies", "stack_layers", "unstack_layers", "IGNORE_INDEX"]
+__all__ = ["PROJECTIONS", "RopeScaling", "LlamaConfig", "LlamaModel", "LlamaForCausalLM",
+           "causal_lm_loss", "rope_inverse_frequencies", "stack_layers", "unstack_layers",
+           "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # HF's label for positions without loss
 PROJECTIONS = ("dense", "einsum")
