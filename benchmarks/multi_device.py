@@ -111,12 +111,15 @@ def placement(mesh, fsdp: bool):
   return lambda tree: jax.tree.map(place, tree)
 
 
-def programs(spec: ModelSpec, module, variant: str, mesh, optimizer):
-  """The jitted ``fwd``, ``grad`` and ``step`` programs of ``variant`` on ``mesh``."""
+def programs(spec: ModelSpec, module, variant: str, mesh, optimizer, dense_head: bool = False):
+  """The jitted ``fwd``, ``grad`` and ``step`` programs of ``variant`` on ``mesh``; with
+  ``dense_head`` SEBP leaves the tied output projection (``Embed.attend``) to autodiff."""
   import jax
   import optax
 
   from sebp_jax import RowPolicy, row_plan, sharded_rows, swap_dense
+
+  where = (lambda path: path[-1] != "attend") if dense_head else None
 
   def loss(params, batch):
     context = contextlib.ExitStack()
@@ -124,7 +127,7 @@ def programs(spec: ModelSpec, module, variant: str, mesh, optimizer):
       # As `sebp finetune` trains (every workload here is below the crossover): the attention
       # mask as row plan, which each device re-plans for its rows, and no conditional.
       plan = row_plan(batch["attention_mask"])
-      context.enter_context(swap_dense(RowPolicy(), crossover=1.0, rows=plan))
+      context.enter_context(swap_dense(RowPolicy(), crossover=1.0, rows=plan, where=where))
       context.enter_context(sharded_rows("data", mesh=mesh))
     with context:
       return spec.jax_loss(module, params, batch)
@@ -145,7 +148,7 @@ def _median_ms(fn, batches) -> float:
 
 
 def run_model(case: ModelCase, spec: ModelSpec, per_device: int, device_counts: Sequence[int],
-              settings: Settings, deadline: float) -> Iterator[Row]:
+              settings: Settings, deadline: float, dense_head: bool = False) -> Iterator[Row]:
   """Every variant on every workload at every device count; rows as they are measured."""
   import jax
   import optax
@@ -160,7 +163,7 @@ def run_model(case: ModelCase, spec: ModelSpec, per_device: int, device_counts: 
                          devices=jax.devices()[:devices])
     place = placement(mesh, case.fsdp)
     for variant in ("dense", "sebp"):
-      fwd, grad, step = programs(spec, module, variant, mesh, optimizer)
+      fwd, grad, step = programs(spec, module, variant, mesh, optimizer, dense_head)
       params = place(host_params)
       opt_state = place(jax.jit(optimizer.init)(params))
       for workload in spec.workloads:
@@ -338,6 +341,11 @@ def _parser() -> argparse.ArgumentParser:
                            "while layer i computes (with XLA_FLAGS="
                            "--xla_gpu_enable_pipelined_all_gather=true "
                            "--xla_gpu_enable_pipelined_reduce_scatter=true)")
+  parser.add_argument("--dense-head", action="store_true",
+                      help="SEBP leaves LLaMA's tied output projection to autodiff: under FSDP "
+                           "XLA keeps the vocabulary-sharded table in place for it and moves "
+                           "activations, where SEBP's backward gathers the table and reduces its "
+                           "gradient whole (python -m benchmarks.collective_bytes)")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--steps", type=int, default=3, help="timed steps, distinct batches")
   parser.add_argument("--time-budget", type=float, default=420.0,
@@ -381,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     "note": ("Profile-guided latency estimation (--pgle): every program recompiled with its "
              "first call's op times. " if args.pgle else "") + ("Tiny models." if args.tiny else
              f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes"
-             f"{', scanned' if args.scan_layers else ''}), FSDP, context 4096, "
+             f"{', scanned' if args.scan_layers else ''}"
+             f"{', SEBP with a dense tied head' if args.dense_head else ''}), FSDP, context 4096, "
              f"2 sequences per device; BERT-base data parallel, context 512, 32 per device."),
     "rows": []}
   stem = "multi_device" + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")
@@ -391,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     spec = model_spec(case, args)
     spec = dataclasses.replace(spec, workloads=spec.workloads[:args.workloads])
     per_device = case.tiny_per_device_batch if args.tiny else case.per_device_batch
-    for row in run_model(case, spec, per_device, (1, devices), settings, deadline):
+    for row in run_model(case, spec, per_device, (1, devices), settings, deadline,
+                         args.dense_head):
       result["rows"].append(dataclasses.asdict(row))
       paths = write(args.out_dir, stem, result)  # after every row: a cut-off run keeps its rows
   for s in result["summary"]:
