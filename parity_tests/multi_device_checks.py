@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard  # noqa: E402
 
+from benchmarks.collective_bytes import collective_bytes  # noqa: E402
 from parity_tests.tolerances import tolerance  # noqa: E402
 from sebp_jax import row_plan, sebp_matmul, sebp_matmuls, sharded_rows  # noqa: E402
 
@@ -38,11 +39,16 @@ REAL = 3
 
 
 def collectives(compiled_text: str, impl: str) -> dict[str, int]:
-  """How many of each collective the compiled HLO runs (async ``-start`` halves counted once),
-  and for ``xla`` its while loops: XLA partitions a row-sharded ``cumsum`` into serial loops
-  (the Pallas interpreter runs its kernels as loops, so not for ``interpret``)."""
+  """How many of each collective the compiled HLO runs (async ``-start`` halves counted once) and
+  the bytes of the synchronous ones, and for ``xla`` its while loops: XLA partitions a
+  row-sharded ``cumsum`` into serial loops (the Pallas interpreter runs its kernels as loops, so
+  not for ``interpret``)."""
   kinds = COLLECTIVES + (("while",) if impl == "xla" else ())
-  return {kind: len(re.findall(rf" {kind}(?:-start)?\(", compiled_text)) for kind in kinds}
+  counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", compiled_text)) for kind in kinds}
+  # And the bytes they move (synchronous collectives: the CPU programs), so that a program with
+  # the same collectives on bigger arrays (a weight gathered where dense moves activations)
+  # does not pass for dense's.
+  return counts | {f"{kind} bytes": size for kind, size in collective_bytes(compiled_text).items()}
 
 
 def _inputs():
