@@ -92,26 +92,6 @@ def _scanned_loss(matmul):
   return loss
 
 
-def _scanned(case: str, impl: str, sebp_mm, x) -> None:
-  """``fsdp[_planned]_scanned``: :func:`_scanned_loss` with its stacked weights FSDP-sharded on
-  their per-layer dim, against one device's dense autodiff."""
-  keys = jax.random.split(jax.random.key(1), 2)
-  params = (jax.random.normal(keys[0], (2, K, H)) / K ** 0.5,
-            jax.random.normal(keys[1], (2, H, K)) / H ** 0.5)
-  reference = jax.grad(_scanned_loss(lambda a, w: a @ w))(params, x)
-  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), axis_types=(AxisType.Auto,))
-  w_sharding = NamedSharding(mesh, P(None, "fsdp"))
-
-  def sebp_loss(params, x):
-    with sharded_rows("fsdp"):
-      return _scanned_loss(sebp_mm)(params, x)
-
-  with jax.set_mesh(mesh):
-    _check(case, impl, sebp_loss, _scanned_loss(lambda a, w: a @ w), params, x, reference,
-           in_shardings=((w_sharding,) * 2, NamedSharding(mesh, P("fsdp"))),
-           out_shardings=(w_sharding,) * 2)
-
-
 def _error_over_tolerance(grads, reference) -> float:
   """The largest ``|error| / (atol + rtol |reference|)`` over the gradient trees: <= 1 is
   within the float32 tolerance."""
@@ -161,13 +141,12 @@ def main(impl: str, cases: list[str]) -> None:
     data_fsdp=(two_d, ("data", "fsdp"), P(("data", "fsdp")), P("fsdp"), ("data", "fsdp")),
   )
   for case in cases:
-    if case.endswith("_scanned"):
-      _scanned(case, impl, planned_mm if case == "fsdp_planned_scanned" else scoring_mm, x)
-      continue
     # "<case>_siblings": the first layer as two sibling products under one backward
-    # (sebp_matmuls); "<case>_planned": with a row plan, which each device re-plans for its rows.
+    # (sebp_matmuls); "<case>_planned": with a row plan, which each device re-plans for its rows;
+    # "<case>_scanned": two residual blocks as one lax.scan over stacked weights.
+    scanned = case.endswith("_scanned")
     siblings = case.endswith("_siblings")
-    layout = case.removesuffix("_siblings")
+    layout = case.removesuffix("_scanned").removesuffix("_siblings")
     planned = layout.endswith("_planned")
     sebp_mm = planned_mm if planned else scoring_mm
     layout = layout.removesuffix("_planned")
@@ -180,6 +159,10 @@ def main(impl: str, cases: list[str]) -> None:
       dense_loss_of = lambda mm, gather=lambda w: w: _loss(  # noqa: E731
         mm, gather, lambda a, ws: tuple(a @ w for w in ws))
     case_dense_mm, case_params, case_reference = dense_mm, params, reference
+    if scanned:
+      sebp_loss_of = dense_loss_of = lambda mm, gather=lambda w: w: _scanned_loss(mm)  # noqa: E731
+      case_params = tuple(jnp.stack([w, w[::-1] * 0.5]) for w in params)  # two distinct layers
+      case_reference = jax.grad(_scanned_loss(dense_mm))(case_params, x)
     if layout.endswith("_nk"):
       # "<case>_nk": the weights stored (out, in), as a tied embedding is (`transpose_kernel`),
       # sharded on their first dim under FSDP; their gradients come back in that layout.
@@ -190,6 +173,8 @@ def main(impl: str, cases: list[str]) -> None:
       case_reference = tuple(g.T for g in reference)
     if layout in auto:
       shape, names, x_spec, w_spec, axes = auto[layout]
+      if scanned:  # stacked weights: each layer's sharded as an unstacked one
+        w_spec = P(None, *w_spec)
       mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
       w_sharding = NamedSharding(mesh, w_spec)
 
