@@ -29,27 +29,34 @@ __all__ = ["COLLECTIVES", "collective_bytes", "variant_bytes", "main"]
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8}
-_INSTRUCTION = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")\(")
+# A collective's result type: a synchronous collective's, or the ``-done`` half's of an async pair
+# (its ``-start`` holds the operands beside the results, and in a GPU program its operands'
+# types are not printed).
+_INSTRUCTION = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-done)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_ITEM_BYTES) + r")\[([\d,]*)\]")
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-  """Bytes of the results of each kind of collective in a compiled CPU HLO module's text (a
-  tuple result summed over its arrays). GPU programs run collectives as async ``-start`` /
-  ``-done`` pairs, whose tuples hold operands too: not counted here.
+  """Bytes of the results of each kind of collective in a compiled HLO module's text (a tuple
+  result summed over its arrays). A GPU program runs most collectives as async ``-start`` /
+  ``-done`` pairs, and whether XLA keeps one async or makes it synchronous depends on what it can
+  overlap: both forms count the same.
 
   >>> collective_bytes("%ag = bf16[4,8]{1,0} all-gather(bf16[2,8]{1,0} %p), dimensions={0}")
   {'all-gather': 64}
+  >>> collective_bytes("%ags = ((bf16[2,8]{1,0}), bf16[4,8]{1,0}) all-gather-start(%p), "
+  ...                  "dimensions={0}\\n%agd = bf16[4,8]{1,0} all-gather-done(%ags)")
+  {'all-gather': 64}
   """
   totals: dict[str, int] = {}
-  for match in _INSTRUCTION.finditer(hlo_text):
+  for result, kind in _INSTRUCTION.findall(hlo_text):
     size = 0
-    for dtype, dims in _ARRAY.findall(match.group(1)):
+    for dtype, dims in _ARRAY.findall(result):
       count = 1
       for dim in filter(None, dims.split(",")):
         count *= int(dim)
       size += _ITEM_BYTES[dtype] * count
-    totals[match.group(2)] = totals.get(match.group(2), 0) + size
+    totals[kind] = totals.get(kind, 0) + size
   return totals
 
 

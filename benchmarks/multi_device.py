@@ -47,8 +47,8 @@ import numpy as np
 from benchmarks.workloads import (LR, REPO, WEIGHT_DECAY, ModelSpec, Settings, library_versions,
                                   random_params, versions_text, workload_batches, xla_flags_text)
 
-__all__ = ["MODELS", "Row", "model_spec", "placement", "programs", "run_model", "summarize",
-           "rest_ms", "markdown", "main"]
+__all__ = ["MODELS", "Row", "add_model_arguments", "model_note", "model_spec", "placement",
+           "programs", "run_model", "summarize", "rest_ms", "markdown", "main"]
 
 TARGET_SPEEDUP_KEPT = 0.9   # N-GPU SEBP backward speedup over its 1-GPU speedup
 TARGET_SCALING_PER_GPU = 0.9  # N-GPU SEBP throughput over N times one GPU's
@@ -324,15 +324,11 @@ def write(out_dir: pathlib.Path, stem: str, result: dict) -> list[pathlib.Path]:
   return paths
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_device", description=__doc__
-                                   .split("\n\n")[0])
-  parser.add_argument("--out-dir", type=pathlib.Path, default=REPO / "benchmarks" / "results")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+  """The options that say which models run and how they are built (``--models``,
+  ``--llama-layers``, ``--scan-layers``, ``--dense-head``, ``--tiny``): the timing and the
+  profiling benchmarks take the same."""
   parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-  parser.add_argument("--devices", type=int,
-                      help="the device count compared with one (default: every device)")
-  parser.add_argument("--workloads", type=int, default=1, metavar="N",
-                      help="the first N workloads of each model (default 1)")
   parser.add_argument("--llama-layers", type=int, default=8, metavar="L",
                       help="LLaMA-3.2-3B decoder layers to keep (default 8 of 28)")
   parser.add_argument("--scan-layers", action="store_true",
@@ -346,11 +342,33 @@ def _parser() -> argparse.ArgumentParser:
                            "XLA keeps the vocabulary-sharded table in place for it and moves "
                            "activations, where SEBP's backward gathers the table and reduces its "
                            "gradient whole (python -m benchmarks.collective_bytes)")
+  parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
+
+
+def model_note(args: argparse.Namespace) -> str:
+  """What :func:`add_model_arguments`' options built, in words, for the result files."""
+  if args.tiny:
+    return "Tiny models."
+  layers = "all 28" if args.llama_layers == 28 else f"the first {args.llama_layers} of 28"
+  return (f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes"
+          f"{', scanned' if args.scan_layers else ''}"
+          f"{', SEBP with a dense tied head' if args.dense_head else ''}), FSDP, context 4096, "
+          f"2 sequences per device; BERT-base data parallel, context 512, 32 per device.")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_device", description=__doc__
+                                   .split("\n\n")[0])
+  parser.add_argument("--out-dir", type=pathlib.Path, default=REPO / "benchmarks" / "results")
+  add_model_arguments(parser)
+  parser.add_argument("--devices", type=int,
+                      help="the device count compared with one (default: every device)")
+  parser.add_argument("--workloads", type=int, default=1, metavar="N",
+                      help="the first N workloads of each model (default 1)")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--steps", type=int, default=3, help="timed steps, distinct batches")
   parser.add_argument("--time-budget", type=float, default=420.0,
                       help="seconds; what has not started by then becomes error rows")
-  parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
   parser.add_argument("--tag", default="", help="appended to the result files' names")
   parser.add_argument("--pgle", action="store_true",
                       help="profile-guided latency estimation: each program is traced on its "
@@ -379,7 +397,6 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     jax.config.update("jax_pgle_profiling_runs", 1)
   deadline = time.perf_counter() + args.time_budget
   settings = Settings(args.warmup, args.steps)
-  layers = "all 28" if args.llama_layers == 28 else f"the first {args.llama_layers} of 28"
   env = environment()
   result: dict[str, Any] = {
     "benchmark": "multi_device", "gpu": env["device"], "platform": env["platform"],
@@ -387,11 +404,7 @@ def main(argv: Sequence[str] | None = None) -> list[pathlib.Path]:
     "steps": args.steps, "tiny": args.tiny, "versions": library_versions(),
     "xla_flags": os.environ.get("XLA_FLAGS", ""), "pgle": args.pgle,
     "note": ("Profile-guided latency estimation (--pgle): every program recompiled with its "
-             "first call's op times. " if args.pgle else "") + ("Tiny models." if args.tiny else
-             f"LLaMA-3.2-3B with {layers} decoder layers (exact shapes"
-             f"{', scanned' if args.scan_layers else ''}"
-             f"{', SEBP with a dense tied head' if args.dense_head else ''}), FSDP, context 4096, "
-             f"2 sequences per device; BERT-base data parallel, context 512, 32 per device."),
+             "first call's op times. " if args.pgle else "") + model_note(args),
     "rows": []}
   stem = "multi_device" + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")
   paths = []

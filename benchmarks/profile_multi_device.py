@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import pathlib
@@ -69,7 +70,8 @@ def device_breakdown(events: Sequence[dict], steps: int) -> list[dict]:
   return out
 
 
-def _profile(case, spec, devices: int, variant: str, settings: Settings, tiny: bool) -> dict:
+def _profile(case, spec, devices: int, variant: str, settings: Settings, tiny: bool,
+             dense_head: bool = False, hlo_path: pathlib.Path | None = None) -> dict:
   import jax
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -81,7 +83,7 @@ def _profile(case, spec, devices: int, variant: str, settings: Settings, tiny: b
   mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
   place = multi_device.placement(mesh, case.fsdp)
-  _, _, step = multi_device.programs(spec, module, variant, mesh, optimizer)
+  _, _, step = multi_device.programs(spec, module, variant, mesh, optimizer, dense_head)
   params = place(jax.device_get(random_params(module, spec)))
   opt_state = place(jax.jit(optimizer.init)(params))
   per_device = case.tiny_per_device_batch if tiny else case.per_device_batch
@@ -96,6 +98,9 @@ def _profile(case, spec, devices: int, variant: str, settings: Settings, tiny: b
 
   for batch in batches[:max(settings.warmup, 1)]:  # compiles
     jax.block_until_ready(run(batch))
+  if hlo_path is not None:  # where the collectives sit: in the layers' loop, or hoisted
+    hlo = step.lower(*state, batches[0]).compile().as_text()  # the same program: a cache hit
+    hlo_path.write_bytes(gzip.compress(hlo.encode()))
   timed = batches[settings.warmup:] or batches
   walls = [wall_ms(lambda: run(batch)) for batch in timed]
   events = profile_step.gpu_kernel_events(profile_step.traced_events(
@@ -152,13 +157,14 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_multi_device",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--out-dir", type=pathlib.Path, default=REPO / "benchmarks" / "results")
-  parser.add_argument("--models", nargs="+", choices=list(multi_device.MODELS),
-                      default=list(multi_device.MODELS))
+  multi_device.add_model_arguments(parser)
   parser.add_argument("--devices", type=int, default=2)
-  parser.add_argument("--llama-layers", type=int, default=8, metavar="L")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--steps", type=int, default=5, help="timed, then traced, steps")
-  parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
+  parser.add_argument("--tag", default="", help="appended to the result files' names")
+  parser.add_argument("--hlo", action="store_true",
+                      help="also write each step program's optimized HLO, "
+                           "hlo_<stem>_<model>_<variant>.txt.gz")
   args = parser.parse_args(argv)
   import jax
 
@@ -172,16 +178,18 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
   result = {"benchmark": "profile_multi_device", "gpu": env["device"], "devices": args.devices,
             "steps": args.steps, "versions": library_versions(), "rows": [],
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "note": ("Tiny models." if args.tiny else
-                     f"LLaMA-3.2-3B with the first {args.llama_layers} of 28 decoder layers, "
-                     "FSDP, context 4096; BERT-base data parallel, context 512.")}
-  path = args.out_dir / ("profile_multi_device" + ("_tiny" if args.tiny else "") + ".json")
+            "note": multi_device.model_note(args)}
+  stem = "profile_multi_device" + ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag
+                                                                     else "")
+  path = args.out_dir / f"{stem}.json"
   args.out_dir.mkdir(parents=True, exist_ok=True)
   for name in args.models:
     case = multi_device.MODELS[name]
     spec = multi_device.model_spec(case, args)
     for variant in ("dense", "sebp"):
-      row = _profile(case, spec, args.devices, variant, settings, args.tiny)
+      hlo_path = args.out_dir / f"hlo_{stem}_{name}_{variant}.txt.gz" if args.hlo else None
+      row = _profile(case, spec, args.devices, variant, settings, args.tiny, args.dense_head,
+                     hlo_path)
       result["rows"].append(row)
       print(f"  {name} {variant}: step {row['step_ms']:.2f} ms; exposed collectives per device "
             + ", ".join(f"{d['exposed_collective_ms']:.2f}" for d in row["per_device"]) + " ms",

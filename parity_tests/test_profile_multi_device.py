@@ -1,10 +1,20 @@
-"""The per-device breakdown of benchmarks.profile_multi_device, on hand-made trace events."""
+"""benchmarks.profile_multi_device: its per-device breakdown on hand-made trace events, and a tiny
+run on two CPU devices."""
 
 from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import profile_multi_device
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _kernel(pid, name, ts, dur, tid=1):
@@ -59,3 +69,23 @@ def test_markdown_names_every_device_and_family():
   assert "| sebp | 10.00 (9.00–11.00) | 1 | 0.30 | 0.00 | 0.00 | 1 |" in text
   assert "| collectives (NCCL) | 0.50 |" in text
   assert "| `ncclDevKernel_AllGather` | 0.50 |" in text
+
+
+def test_tiny_scanned_run_on_two_cpu_devices_writes_its_tables_and_programs(tmp_path):
+  # The model options are multi_device's own (a scanned LLaMA, its tied head left dense); on CPU
+  # the trace has no GPU kernel, so the rows hold wall times and the programs' HLO only.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+  done = subprocess.run([sys.executable, "-m", "benchmarks.profile_multi_device", "--tiny",
+                         "--models", "llama", "--scan-layers", "--dense-head", "--hlo",
+                         "--steps", "1", "--tag", "t", "--out-dir", str(tmp_path)],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((tmp_path / "profile_multi_device_tiny_t.json").read_text())
+  assert [(r["variant"], r["devices"]) for r in result["rows"]] == [("dense", 2), ("sebp", 2)]
+  assert all(r["step_ms"] > 0 for r in result["rows"])
+  for variant in ("dense", "sebp"):
+    hlo = gzip.decompress(
+      (tmp_path / f"hlo_profile_multi_device_tiny_t_llama_{variant}.txt.gz").read_bytes()).decode()
+    assert " while(" in hlo and "all-gather" in hlo  # the scanned layers, their FSDP gathers
