@@ -46,13 +46,14 @@ def _case(rng, num_rows, in_features, out_features, kept, dtype, *, quiet=0.0):
   return cast(x), cast(kernel), cast(dy)
 
 
-def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=False):
+def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=False,
+           plan=None):
   """The backward against the reference; ``kernel_nk``: handed the kernel stored ``(N, K)``, its
-  ``dw`` must come back in that layout."""
+  ``dw`` must come back in that layout; ``plan``: a row plan of ``dy``'s non-zero rows."""
   precision = jax.lax.Precision.HIGHEST  # IEEE float32 in the kernels, as in the reference
   backward = jax.jit(lambda x, k, dy: pallas_backend.backward(
     x, k, dy, policy=policy, precision=precision, interpret=interpret, config=config,
-    kernel_nk=kernel_nk))
+    kernel_nk=kernel_nk, plan=plan))
   dx, dw = backward(x, kernel.T if kernel_nk else kernel, dy)
   want_dx, want_dw = sebp_reference(x, kernel, None, dy, policy.threshold, policy.max_rows)
   if kernel_nk:
@@ -106,6 +107,42 @@ def test_kernel_stored_out_by_in(interpret, split, count):
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   _check(*_case(rng, 75, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
          config=config, kernel_nk=True)
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("split", SPLITS, ids=_split_id)
+@pytest.mark.parametrize("count", [0, 17, 75])
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_planned_dx_rows_go_back_in_place(interpret, split, count, kernel_nk):
+  # Under a row plan dX is written in the compacted row order, the rows past the live tiles left
+  # unwritten, and put in place by the plan's gather: every kept row in its place, every dropped
+  # row (and none of the unwritten ones) zero.
+  rng = np.random.default_rng(count + 11)
+  kept = np.sort(rng.choice(75, count, replace=False))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  _check(*_case(rng, 75, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
+         config=config, kernel_nk=kernel_nk, plan=row_plan(np.isin(np.arange(75), kept)))
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("split", [{}, DX_SPLIT], ids=["plain", "dx_split"])
+def test_compact_rows_leave_the_rows_past_the_live_tiles_alone(interpret, split):
+  # dx_pallas(compact_rows=True) into an accumulator of sentinels: the kept rows' products at
+  # rows 0..count-1 (added to the sentinels), the live tiles' rows past count unchanged too (dy
+  # is zero there), every row past the live tiles untouched: no zero row is stored.
+  rng = np.random.default_rng(3)
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  count, kept = 20, np.sort(rng.choice(64, 20, replace=False))
+  x, kernel, dy = _case(rng, 64, 32, 48, kept, jnp.float32)
+  perm = jnp.asarray(np.concatenate([kept, np.setdiff1d(np.arange(64), kept)]), jnp.int32)
+  dyc = dy[perm]  # compacted: the kept rows first, zeros after them
+  sentinel = jnp.full((64, 32), 7.0, jnp.float32)
+  dxc = jax.jit(lambda: pallas_backend.dx_pallas(
+    dyc, kernel, perm, jnp.array([count], jnp.int32), config=config, interpret=interpret,
+    precision=jax.lax.Precision.HIGHEST, accumulator=sentinel, compact_rows=True))()
+  want = np.asarray(dy, np.float64)[kept] @ np.asarray(kernel, np.float64).T
+  assert_close(dxc[:count], want + 7.0, jnp.float32, what="kept rows, compacted")
+  np.testing.assert_array_equal(np.asarray(dxc[count:]), 7.0)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -511,6 +548,30 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
   # Partition, gather (where compacted), dX, dW, and the split dX's reduction.
   expected = 3 + config.compact + (config.dx_split > 1)
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
+
+
+@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False)],
+                         ids=["plain", "dx_split", "in_place"])
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
+  # Under a row plan: no partition, dX stored in the compacted row order (and its split
+  # reduction too), put in place by an XLA gather.
+  from jax import export
+
+  config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
+                                         "crossover": 1.0})
+  mask = jax.ShapeDtypeStruct((512,), jnp.bool_)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((512, 192), (320, 192) if kernel_nk else (192, 320), (512, 320))]
+  backward = jax.jit(lambda mask, x, k, dy: pallas_backend.backward(
+    x, k, dy, policy=RowPolicy(), config=config, plan=row_plan(mask), kernel_nk=kernel_nk))
+  exported = export.export(
+    backward, platforms=["cuda"],
+    disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
+                                                                                       *shapes)
+  text = exported.mlir_module()
+  assert text.count("@__gpu$xla.gpu.triton(") == config.compact + 2 + (config.dx_split > 1)
+  assert "stablehlo.gather" in text
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])
