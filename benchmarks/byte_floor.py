@@ -6,7 +6,10 @@ backward free. Any SEBP backward, however fast its kernels, still has to
 * read each weight once (dX = dY Wᵀ),
 * write each weight's gradient once (dW),
 * write each layer's whole dX, zero rows included (the layers below read a dense dX), one per
-  group of sibling projections that share one backward (q/k/v, gate/up: ``dense_siblings``),
+  group of sibling projections that share one backward (q/k/v, gate/up: ``dense_siblings``);
+  under a row plan since v20 (``--planned-dx``) only the kept rows, except where the dX is read
+  whole by an op that cannot fuse a gather (the attention backward, before the output
+  projection: ``dx_read_whole``),
 
 while the kept rows themselves are a few MB. In the other direction the bound reads every
 layer's whole ``dy`` once (its zero gradients depend on it, so that XLA keeps the backward
@@ -44,7 +47,8 @@ class Projection:
 
   ``group``: projections of one input that share one dX (siblings); ``None``: a dX of its own.
   ``rows``: ``"tokens"`` (every position of the batch) or ``"sequences"`` (one row per
-  sequence: BERT's pooler and classifier).
+  sequence: BERT's pooler and classifier). ``dx_read_whole``: its dX goes to an op that reads it
+  whole (the attention backward), so even under a row plan it is written whole.
   """
 
   name: str
@@ -54,6 +58,7 @@ class Projection:
   group: str | None = None
   rows: str = "tokens"
   bias: bool = False
+  dx_read_whole: bool = False
 
 
 def llama_projections(config: LlamaConfig) -> list[Projection]:
@@ -66,7 +71,8 @@ def llama_projections(config: LlamaConfig) -> list[Projection]:
     Projection("q", hidden, config.num_attention_heads * head_dim, layers, "qkv", bias=bias),
     Projection("k", hidden, kv, layers, "qkv", bias=bias),
     Projection("v", hidden, kv, layers, "qkv", bias=bias),
-    Projection("o", config.num_attention_heads * head_dim, hidden, layers, bias=bias),
+    Projection("o", config.num_attention_heads * head_dim, hidden, layers, bias=bias,
+               dx_read_whole=True),
     Projection("gate", hidden, inner, layers, "gate_up", bias=config.mlp_bias),
     Projection("up", hidden, inner, layers, "gate_up", bias=config.mlp_bias),
     Projection("down", inner, hidden, layers, bias=config.mlp_bias),
@@ -81,7 +87,7 @@ def bert_projections(config: BertConfig) -> list[Projection]:
     Projection("query", hidden, hidden, layers, "qkv", bias=True),
     Projection("key", hidden, hidden, layers, "qkv", bias=True),
     Projection("value", hidden, hidden, layers, "qkv", bias=True),
-    Projection("attention_output", hidden, hidden, layers, bias=True),
+    Projection("attention_output", hidden, hidden, layers, bias=True, dx_read_whole=True),
     Projection("intermediate", hidden, inner, layers, bias=True),
     Projection("output", inner, hidden, layers, bias=True),
     Projection("pooler", hidden, hidden, rows="sequences", bias=True),
@@ -90,10 +96,13 @@ def bert_projections(config: BertConfig) -> list[Projection]:
 
 
 def floor_bytes(projections: Sequence[Projection], *, batch: int, seq_len: int,
-                itemsize: int = 2) -> dict[str, int]:
+                itemsize: int = 2, planned_dx: bool = False, kept: float = 0.0
+                ) -> dict[str, int]:
   """Bytes per backward: ``weights`` (read by dX), ``dw`` (written), ``dx`` (written, one per
   sibling group), ``sebp`` (their sum), and ``bound_dy``: the bound's reads of ``dy`` that SEBP
-  under a row plan does not make (none for a layer with a bias: its gradient reads ``dy``)."""
+  under a row plan does not make (none for a layer with a bias: its gradient reads ``dy``).
+  With ``planned_dx`` a group's dX is written whole only where ``dx_read_whole``, elsewhere its
+  ``kept`` share of rows (per-sequence layers, not planned, stay whole)."""
   weights = dx = bound_dy = 0
   for p in projections:
     weights += p.count * p.in_features * p.out_features * itemsize
@@ -101,7 +110,10 @@ def floor_bytes(projections: Sequence[Projection], *, batch: int, seq_len: int,
       bound_dy += p.count * _rows(p, batch, seq_len) * p.out_features * itemsize
   for members in _groups(projections).values():
     p = members[0]
-    dx += p.count * _rows(p, batch, seq_len) * p.in_features * itemsize
+    share = 1.0
+    if planned_dx and p.rows == "tokens" and not any(m.dx_read_whole for m in members):
+      share = kept
+    dx += round(share * p.count * _rows(p, batch, seq_len) * p.in_features * itemsize)
   return {"weights": weights, "dw": weights, "dx": dx, "sebp": 2 * weights + dx,
           "bound_dy": bound_dy}
 
@@ -149,14 +161,22 @@ def main(argv: Sequence[str] | None = None) -> str:
   parser.add_argument("--bound-ms", type=float, help="the same run's jax-bound backward")
   parser.add_argument("--bandwidth", type=float, nargs="+", default=_BANDWIDTHS_TB_S,
                       help="TB/s")
+  parser.add_argument("--planned-dx", action="store_true",
+                      help="count dX as v20 writes it under a row plan: whole only before the "
+                           "attention backward, the --kept share of rows elsewhere")
+  parser.add_argument("--kept", type=float, default=0.0,
+                      help="the kept share of rows, with --planned-dx (e.g. 0.021 for piqa)")
   args = parser.parse_args(argv)
+  if not 0.0 <= args.kept <= 1.0:
+    parser.error(f"--kept must be between 0 and 1, got {args.kept}")
   if args.model == "llama":
     projections, seq_len, name = llama_projections(LlamaConfig.llama_3_2_3b()), 4096, "LLaMA-3.2-3B"
   else:
     projections, seq_len, name = bert_projections(BertConfig()), 512, "BERT-base"
   seq_len = args.seq_len or seq_len
   text = markdown(f"{name}, batch {args.batch} × {seq_len}, bf16",
-                  floor_bytes(projections, batch=args.batch, seq_len=seq_len),
+                  floor_bytes(projections, batch=args.batch, seq_len=seq_len,
+                              planned_dx=args.planned_dx, kept=args.kept),
                   dense_ms=args.dense_ms, bound_ms=args.bound_ms, bandwidths_tb_s=args.bandwidth)
   print(text)
   return text

@@ -35,6 +35,22 @@ def test_llama_3_2_3b_b1():
   assert round(got["sebp"] / 1e9, 2) == 16.87 and round(got["bound_dy"] / 1e9, 2) == 7.39
 
 
+def test_planned_dx_is_whole_only_before_the_attention_backward():
+  # v20: under a plan a dX is written whole only where the attention backward reads it (o's);
+  # the q/k/v, gate/up and down dX are their kept rows, the tied head's too.
+  config = LlamaConfig.llama_3_2_3b()
+  projections = byte_floor.llama_projections(config)
+  whole = floor_bytes(projections, batch=1, seq_len=4096)
+  none_kept = floor_bytes(projections, batch=1, seq_len=4096, planned_dx=True)
+  assert none_kept["dx"] == 2 * 4096 * 28 * 3072  # o's alone
+  assert none_kept["weights"] == whole["weights"]
+  tenth = floor_bytes(projections, batch=1, seq_len=4096, planned_dx=True, kept=0.1)
+  others = whole["dx"] - none_kept["dx"]
+  assert tenth["dx"] == pytest.approx(none_kept["dx"] + 0.1 * others, abs=4)  # rounded per group
+  everything = floor_bytes(projections, batch=1, seq_len=4096, planned_dx=True, kept=1.0)
+  assert everything == whole
+
+
 def test_bert_reads_dy_for_its_biases():
   got = floor_bytes(byte_floor.bert_projections(BertConfig()), batch=32, seq_len=512)
   assert got["bound_dy"] == 0
@@ -53,3 +69,13 @@ def test_cli(model, capsys):
   text = byte_floor.main(["--model", model, "--batch", "2", "--dense-ms", "50", "--bound-ms",
                           "20"])
   assert text in capsys.readouterr().out and "× |" in text
+
+
+def test_cli_planned_dx_lowers_the_floor_and_checks_kept():
+  plain = byte_floor.main(["--model", "llama", "--batch", "1", "--dense-ms", "84.7",
+                           "--bound-ms", "19.63"])
+  planned = byte_floor.main(["--model", "llama", "--batch", "1", "--dense-ms", "84.7",
+                             "--bound-ms", "19.63", "--planned-dx", "--kept", "0.021"])
+  assert plain != planned
+  with pytest.raises(SystemExit):
+    byte_floor.main(["--model", "llama", "--batch", "1", "--planned-dx", "--kept", "2"])
