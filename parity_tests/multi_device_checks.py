@@ -40,14 +40,13 @@ REAL = 3
 
 def collectives(compiled_text: str, impl: str) -> dict[str, int]:
   """How many of each collective the compiled HLO runs (async ``-start`` halves counted once) and
-  the bytes of the synchronous ones, and for ``xla`` its while loops: XLA partitions a
-  row-sharded ``cumsum`` into serial loops (the Pallas interpreter runs its kernels as loops, so
-  not for ``interpret``)."""
+  the bytes of their results (:func:`benchmarks.collective_bytes.collective_bytes`), and for
+  ``xla`` its while loops: XLA partitions a row-sharded ``cumsum`` into serial loops (the Pallas
+  interpreter runs its kernels as loops, so not for ``interpret``)."""
   kinds = COLLECTIVES + (("while",) if impl == "xla" else ())
   counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", compiled_text)) for kind in kinds}
-  # And the bytes they move (synchronous collectives: the CPU programs), so that a program with
-  # the same collectives on bigger arrays (a weight gathered where dense moves activations)
-  # does not pass for dense's.
+  # And the bytes they move, so that a program with the same collectives on bigger arrays (a
+  # weight gathered where dense moves activations) does not pass for dense's.
   return counts | {f"{kind} bytes": size for kind, size in collective_bytes(compiled_text).items()}
 
 
