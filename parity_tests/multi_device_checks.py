@@ -26,13 +26,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard  # noqa: E402
 
-from benchmarks.collective_bytes import collective_bytes  # noqa: E402
+from benchmarks.collective_bytes import COLLECTIVES, collective_bytes  # noqa: E402
 from parity_tests.tolerances import tolerance  # noqa: E402
 from sebp_jax import row_plan, sebp_matmul, sebp_matmuls, sharded_rows  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # (batch, tokens, in, hidden): two layers, K != N, half of each sequence padding.
 B, T, K, H = 8, 6, 16, 24
 REAL = 3

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from benchmarks.collective_bytes import COLLECTIVES
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CASES = ("data_parallel", "fsdp", "data_fsdp", "explicit", "shard_map_unchecked",
          # With a row plan of the whole batch, which each device re-plans for its own rows.
@@ -172,8 +174,7 @@ def test_benchmark_builds_the_scanned_llama_on_request(scan):
 
 
 def _gpu_result(sebp: dict, dense: dict) -> dict:
-  zero = {kind: 0 for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                               "collective-permute")}
+  zero = {kind: 0 for kind in COLLECTIVES}
   return {"case": "c", "error_over_tolerance": 0.1, "sebp": zero | sebp, "dense": zero | dense}
 
 

@@ -99,29 +99,20 @@ def test_count_around_block_boundaries(interpret, split, count):
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("split", SPLITS, ids=_split_id)
 @pytest.mark.parametrize("count", [0, 17, 75])
-def test_kernel_stored_out_by_in(interpret, split, count):
-  # A tied output embedding's layout: dX reads the (N, K) kernel as stored, dW is written in it
-  # (its GEMM with the operands and the tile's sides swapped: dw_k 16 over N, dw_n 32 over K).
-  rng = np.random.default_rng(count + 1)
+@pytest.mark.parametrize("planned,kernel_nk", [(False, True), (True, False), (True, True)],
+                         ids=["nk", "planned-kn", "planned-nk"])
+def test_kernel_layouts_and_row_plans(interpret, split, count, planned, kernel_nk):
+  # nk: a tied output embedding's layout: dX reads the (N, K) kernel as stored, dW is written in
+  # it (its GEMM with the operands and the tile's sides swapped: dw_k 16 over N, dw_n 32 over K).
+  # planned: under a row plan dX is written in the compacted row order, the rows past the live
+  # tiles left unwritten, and put in place by the plan's gather: every kept row in its place,
+  # every dropped row (and none of the unwritten ones) zero.
+  rng = np.random.default_rng(count + (11 if planned else 1))
   kept = np.sort(rng.choice(75, count, replace=False))
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  plan = row_plan(np.isin(np.arange(75), kept)) if planned else None
   _check(*_case(rng, 75, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
-         config=config, kernel_nk=True)
-
-
-@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("split", SPLITS, ids=_split_id)
-@pytest.mark.parametrize("count", [0, 17, 75])
-@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
-def test_planned_dx_rows_go_back_in_place(interpret, split, count, kernel_nk):
-  # Under a row plan dX is written in the compacted row order, the rows past the live tiles left
-  # unwritten, and put in place by the plan's gather: every kept row in its place, every dropped
-  # row (and none of the unwritten ones) zero.
-  rng = np.random.default_rng(count + 11)
-  kept = np.sort(rng.choice(75, count, replace=False))
-  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
-  _check(*_case(rng, 75, 37, 60, kept, jnp.float32), RowPolicy(), interpret=interpret,
-         config=config, kernel_nk=kernel_nk, plan=row_plan(np.isin(np.arange(75), kept)))
+         config=config, kernel_nk=kernel_nk, plan=plan)
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
