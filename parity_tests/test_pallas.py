@@ -104,9 +104,8 @@ def test_count_around_block_boundaries(interpret, split, count):
 def test_kernel_layouts_and_row_plans(interpret, split, count, planned, kernel_nk):
   # nk: a tied output embedding's layout: dX reads the (N, K) kernel as stored, dW is written in
   # it (its GEMM with the operands and the tile's sides swapped: dw_k 16 over N, dw_n 32 over K).
-  # planned: under a row plan dX is written in the compacted row order, the rows past the live
-  # tiles left unwritten, and put in place by the plan's gather: every kept row in its place,
-  # every dropped row (and none of the unwritten ones) zero.
+  # planned: under a row plan the dX kernel leaves the dropped rows unwritten (NaN in the
+  # interpreter) and the plan's select zeroes them: every kept row right, every dropped row zero.
   rng = np.random.default_rng(count + (11 if planned else 1))
   kept = np.sort(rng.choice(75, count, replace=False))
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
@@ -115,25 +114,27 @@ def test_kernel_layouts_and_row_plans(interpret, split, count, planned, kernel_n
          config=config, kernel_nk=kernel_nk, plan=plan)
 
 
-@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("split", [{}, DX_SPLIT], ids=["plain", "dx_split"])
-def test_compact_rows_leave_the_rows_past_the_live_tiles_alone(interpret, split):
-  # dx_pallas(compact_rows=True) into an accumulator of sentinels: the kept rows' products at
-  # rows 0..count-1 (added to the sentinels), the live tiles' rows past count unchanged too (dy
-  # is zero there), every row past the live tiles untouched: no zero row is stored.
+def test_dx_without_zero_rows_leaves_the_rows_past_the_live_tiles_unwritten(split):
+  # dx_pallas(zero_rows=False) in the interpreter, whose unwritten outputs are NaN: the kept rows'
+  # products in place, the live tiles' other rows zero (dy is zero there), every row past the
+  # live tiles NaN: no zero row is stored there. (The interpreter only: on a GPU those rows hold
+  # whatever the buffer held.)
   rng = np.random.default_rng(3)
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   count, kept = 20, np.sort(rng.choice(64, 20, replace=False))
   x, kernel, dy = _case(rng, 64, 32, 48, kept, jnp.float32)
-  perm = jnp.asarray(np.concatenate([kept, np.setdiff1d(np.arange(64), kept)]), jnp.int32)
+  dropped = np.setdiff1d(np.arange(64), kept)
+  perm = jnp.asarray(np.concatenate([kept, dropped]), jnp.int32)
   dyc = dy[perm]  # compacted: the kept rows first, zeros after them
-  sentinel = jnp.full((64, 32), 7.0, jnp.float32)
-  dxc = jax.jit(lambda: pallas_backend.dx_pallas(
-    dyc, kernel, perm, jnp.array([count], jnp.int32), config=config, interpret=interpret,
-    precision=jax.lax.Precision.HIGHEST, accumulator=sentinel, compact_rows=True))()
+  dx = np.asarray(jax.jit(lambda: pallas_backend.dx_pallas(
+    dyc, kernel, perm, jnp.array([count], jnp.int32), config=config, interpret=True,
+    precision=jax.lax.Precision.HIGHEST, zero_rows=False))())
   want = np.asarray(dy, np.float64)[kept] @ np.asarray(kernel, np.float64).T
-  assert_close(dxc[:count], want + 7.0, jnp.float32, what="kept rows, compacted")
-  np.testing.assert_array_equal(np.asarray(dxc[count:]), 7.0)
+  assert_close(dx[kept], want, jnp.float32, what="kept rows, in place")
+  live_rows = -(-count // config.dx_m) * config.dx_m
+  np.testing.assert_array_equal(dx[dropped[:live_rows - count]], 0.0)
+  assert np.isnan(dx[dropped[live_rows - count:]]).all()
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
@@ -545,8 +546,8 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
                          ids=["plain", "dx_split", "in_place"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
-  # Under a row plan: no partition, dX stored in the compacted row order (and its split
-  # reduction too), put in place by an XLA gather.
+  # Under a row plan: no partition, dX's dropped rows left unwritten (no zero item) and zeroed
+  # by an XLA select.
   from jax import export
 
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
@@ -562,7 +563,9 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
                                                                                        *shapes)
   text = exported.mlir_module()
   assert text.count("@__gpu$xla.gpu.triton(") == config.compact + 2 + (config.dx_split > 1)
-  assert "stablehlo.gather" in text
+  # No gather puts rows in place (v20 did); the select that zeroes the dropped rows is checked
+  # where its effect shows, in the interpreter (NaN in every unwritten row).
+  assert "stablehlo.gather" not in text
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])

@@ -35,8 +35,6 @@ class RowPlan:
     perm: ``(M',)`` int32, ``M' >= M`` a multiple of :data:`PLAN_ROW_ALIGN`: the kept rows, then
       the dropped ones, then the padding rows ``M .. M'-1``, each in increasing order.
     count: ``(1,)`` int32, the number of kept rows.
-    pos: ``(M,)`` int32, each kept row's place among the kept rows (its index in ``perm``), and
-      ``M'`` (past any compacted buffer) for a dropped row: what :meth:`scatter_rows` reads.
     rows_shape: the leading dims of the layers the plan applies to (static).
     check: verify in every layer that no row outside the plan is non-zero (static).
   """
@@ -44,7 +42,6 @@ class RowPlan:
   keep: jax.Array
   perm: jax.Array
   count: jax.Array
-  pos: jax.Array
   rows_shape: tuple[int, ...]
   check: bool = False
 
@@ -52,24 +49,24 @@ class RowPlan:
     """Whether this plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
     return tuple(x.shape[:-1]) == self.rows_shape
 
-  def scatter_rows(self, compact: jax.Array) -> jax.Array:
-    """``(M, K)``: row ``perm[i]`` is ``compact[i]`` for the kept rows, every other row zero.
+  def mask_rows(self, rows: jax.Array) -> jax.Array:
+    """``rows`` ``(M, K)`` with every row outside the plan zero, whatever it held.
 
-    ``compact``: ``(R, K)``, the kept rows in the plan's order first (rows from ``count`` on are
-    never read, so they may hold anything). Written as a gather from ``compact``, not a scatter
-    into zeros, so that XLA fuses it into the ops that read the result (the norm's or the
-    activation's backward after a layer's ``dX``) and the ``M - count`` zero rows are neither
-    written nor read back.
+    The SEBP dX kernels leave a planned layer's dropped rows unwritten (they may hold anything,
+    NaN included); this select zeroes them. XLA fuses it into the ops that read ``dX`` (the
+    norm's or the activation's backward, a bias gradient's row sum), where it costs one
+    predicate per element, so the dropped rows' zeros are never stored by a kernel
+    (``benchmarks/NOTES.md``, "v21").
 
     >>> import jax.numpy as jnp
     >>> plan = row_plan(jnp.array([0, 1, 1]))
-    >>> plan.scatter_rows(jnp.array([[5.0], [7.0], [9.0]])).tolist()
-    [[0.0], [5.0], [7.0]]
+    >>> plan.mask_rows(jnp.array([[jnp.nan], [7.0], [9.0]])).tolist()
+    [[0.0], [7.0], [9.0]]
     """
-    return jnp.take(compact, self.pos, axis=0, mode="fill", fill_value=0)
+    return jnp.where(self.keep[:, None], rows, jnp.zeros((), rows.dtype))
 
 
-jax.tree_util.register_dataclass(RowPlan, data_fields=["keep", "perm", "count", "pos"],
+jax.tree_util.register_dataclass(RowPlan, data_fields=["keep", "perm", "count"],
                                  meta_fields=["rows_shape", "check"])
 
 
@@ -103,9 +100,7 @@ def row_plan(mask: jax.Array, *, check: bool = False) -> RowPlan:
   num_rows = keep.shape[0]
   padded = -(-num_rows // PLAN_ROW_ALIGN) * PLAN_ROW_ALIGN
   perm, count = active_first_permutation(jnp.pad(keep, (0, padded - num_rows)))
-  # `perm` lists the kept rows in increasing order: a kept row's place is the kept rows before it.
-  pos = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, padded).astype(jnp.int32)
-  return RowPlan(keep, perm, count.reshape(1), pos, tuple(mask.shape), check)
+  return RowPlan(keep, perm, count.reshape(1), tuple(mask.shape), check)
 
 
 def _raise_outside_plan(outside, layer: str) -> None:

@@ -441,7 +441,7 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, precision,
                programs: int, split: int, compact: bool = True, kernel_nk: bool = False,
-               accumulate: bool = False, compact_rows: bool = False):
+               accumulate: bool = False, zero_rows: bool = True):
   """One persistent program of the dX GEMM: it works through its share of the launch's
   *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
   zero items), then exits.
@@ -467,9 +467,8 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   input (q, k and v; gate and up) adds its ``dx`` to the first one's that way, instead of writing
   a whole ``dx`` of its own for XLA to sum.
 
-  With ``compact_rows``, ``dx`` is stored in the compacted row order (tile rows ``block`` to rows
-  ``block`` of ``dx``, not ``perm[block]``) and no zero item runs: the rows past the live tiles
-  are never written (see :func:`dx_pallas`).
+  Without ``zero_rows`` no zero item runs: the rows past the live tiles are never written, and
+  hold whatever the buffer held (see :func:`dx_pallas`).
   """
   if accumulate:
     _, dx_ref, *partials_ref = refs
@@ -486,7 +485,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                       split=split)
   program = pl.program_id(0)
   gemm_items = live_tiles * parts
-  zero_items = 0 if accumulate or compact_rows else (
+  zero_items = 0 if accumulate or not zero_rows else (
     (dx_ref.shape[0] // block_m - live_blocks) * col_blocks)
   trips = pl.cdiv(jnp.maximum(gemm_items - program, 0), programs)
   # The zero items go to the programs the GEMM leaves idle where those can store them all in
@@ -528,7 +527,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
     acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
 
     def store_rows():
-      rows = pl.ds(start, block_m) if compact_rows else perm_ref[pl.ds(start, block_m)]
+      rows = perm_ref[pl.ds(start, block_m)]
       total = acc + dx_ref[rows, cols].astype(jnp.float32) if accumulate else acc
       dx_ref[rows, cols] = total.astype(dx_ref.dtype)
 
@@ -554,14 +553,12 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
 
 
 def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
-                      block_k: int, programs: int, accumulate: bool = False,
-                      compact_rows: bool = False):
+                      block_k: int, programs: int, accumulate: bool = False):
   """One ``(block_m, block_k)`` tile of the split region: where the GEMM split the live tiles
   (``parts > 1``), the sum of this tile's partial tiles stored to rows ``perm[block]`` of ``dx``
   (aliased to the GEMM's ``dx``, whose other rows it keeps); nothing otherwise, nor for a block
   past ``count``, whose partial tiles were never written (the GEMM stored its zeros). With
-  ``accumulate`` the sum is added to the rows' values; with ``compact_rows`` it goes to rows
-  ``block`` (see :func:`_dx_kernel`)."""
+  ``accumulate`` the sum is added to the rows' values."""
   col_blocks = dx_ref.shape[1] // block_k
   row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
   start = row_block * block_m
@@ -576,7 +573,7 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
 
   @pl.when(summed)
   def _():
-    kept = rows if compact_rows else perm_ref[rows]
+    kept = perm_ref[rows]
     total = acc + dx_ref[kept, cols].astype(jnp.float32) if accumulate else acc
     dx_ref[kept, cols] = total.astype(dx_ref.dtype)
 
@@ -645,7 +642,7 @@ _DX_REDUCE_WARPS = 4
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False, kernel_nk: bool = False,
-              accumulator: jax.Array | None = None, compact_rows: bool = False) -> jax.Array:
+              accumulator: jax.Array | None = None, zero_rows: bool = True) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows; with
@@ -659,11 +656,9 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
     accumulator: ``(M, K)`` in ``kernel.dtype`` or ``None``: the result is ``accumulator + dx``,
       written into the accumulator's buffer (donated), and no zero row is written.
-    compact_rows: ``dx`` in the compacted row order: row ``i`` holds kept row ``perm[i]`` for
-      ``i < count``, and no zero row is written, the rows past the live tiles holding whatever
-      the buffer held. For a caller that puts the rows in place itself, as a gather XLA fuses
-      into ``dx``'s consumers (:meth:`sebp_jax.RowPlan.scatter_rows`); an ``accumulator`` is
-      then in that order too.
+    zero_rows: write the dropped rows' zeros. Without, the rows past the live tiles hold
+      whatever the buffer held (NaN in the interpreter): for a caller that zeroes them itself,
+      as a select XLA fuses into ``dx``'s consumers (:meth:`sebp_jax.RowPlan.mask_rows`).
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
@@ -677,7 +672,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
                            programs=programs, split=split, compact=config.compact,
                            kernel_nk=kernel_nk, accumulate=accumulator is not None,
-                           compact_rows=compact_rows)
+                           zero_rows=zero_rows)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
   operands = (count, perm, dyc, kernel)
   if accumulator is not None:
@@ -693,8 +688,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
   dx, partials = gemm((dx_shape, partials_shape))(*operands)
   reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                             programs=programs, accumulate=accumulator is not None,
-                             compact_rows=compact_rows)
+                             programs=programs, accumulate=accumulator is not None)
   split_tiles = split_rows // config.dx_m * (in_features // config.dx_k)
   return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
                 name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
@@ -749,11 +743,10 @@ def _n_pad(out_features: int, config: BlockConfig) -> int:
 
 def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
               out_features: int, config: BlockConfig, precision, interpret: bool,
-              kernel_nk: bool, dx_into, compact_rows: bool = False):
+              kernel_nk: bool, dx_into, zero_rows: bool = True):
   """dX and dW of one layer from its (compacted or in-place) rows: ``xc`` (or ``None``) and
-  ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``. With
-  ``compact_rows``, ``dx`` comes back as :func:`dx_pallas` leaves it, ``(m_pad, k_pad)`` in the
-  compacted row order (``dx_into`` too)."""
+  ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``. ``zero_rows``: as in
+  :func:`dx_pallas`."""
   m_pad, n_pad = dyc.shape
   k_pad = _k_pad(in_features, config) if xc is None else xc.shape[1]
   dx = dw = None
@@ -762,8 +755,8 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
                    count, config=config, precision=precision, interpret=interpret,
                    kernel_nk=kernel_nk,
                    accumulator=None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad)),
-                   compact_rows=compact_rows)
-    if not compact_rows and dx.shape != (num_rows, in_features):
+                   zero_rows=zero_rows)
+    if dx.shape != (num_rows, in_features):
       dx = dx[:num_rows, :in_features]
   if xc is not None:
     # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
@@ -783,8 +776,8 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
                     plan: RowPlan | None = None):
   """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
   partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk`` and
-  ``dx_into``: as in :func:`backward`. With ``plan`` (the partition's), ``dX`` is written in the
-  compacted order and put in place by the plan's :meth:`~sebp_jax.RowPlan.scatter_rows`."""
+  ``dx_into``: as in :func:`backward`. With ``plan`` (the partition's), ``dX``'s dropped rows are
+  not written and the plan's :meth:`~sebp_jax.RowPlan.mask_rows` zeroes them."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -795,22 +788,14 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
     sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
                             interpret=interpret)
   dyc, *xc = sources
-  compact_rows = plan is not None and dx_into is None
+  masked = plan is not None and dx_into is None
   dx, dw = _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
                      in_features=in_features, out_features=out_features, config=config,
                      precision=precision, interpret=interpret, kernel_nk=kernel_nk,
-                     dx_into=dx_into, compact_rows=compact_rows)
-  if compact_rows and dx is not None:
-    dx = _rows_in_place(plan, dx, in_features)
+                     dx_into=dx_into, zero_rows=not masked)
+  if masked and dx is not None:
+    dx = plan.mask_rows(dx)
   return dx, dw
-
-
-def _rows_in_place(plan: RowPlan, dxc, in_features: int):
-  """``dx`` from its compacted rows ``dxc`` (``(m_pad, k_pad)``): each kept row in its place,
-  zeros elsewhere, as a gather XLA fuses into ``dx``'s consumers, so that the dropped rows'
-  zeros are neither written nor read (``benchmarks/NOTES.md``, "v20")."""
-  dx = plan.scatter_rows(dxc)
-  return dx[:, :in_features] if dx.shape[1] != in_features else dx
 
 
 def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
@@ -862,9 +847,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         compact_rows=plan is not None)
+                         zero_rows=plan is None)
       dws.append(dw)
-    return (dx if plan is None else _rows_in_place(plan, dx, in_features)), dws
+    return (dx if plan is None else plan.mask_rows(dx)), dws
 
   def dense():
     parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
