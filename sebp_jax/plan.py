@@ -49,23 +49,6 @@ class RowPlan:
     """Whether this plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
     return tuple(x.shape[:-1]) == self.rows_shape
 
-  def mask_rows(self, rows: jax.Array) -> jax.Array:
-    """``rows`` ``(M, K)`` with every row outside the plan zero, whatever it held.
-
-    The SEBP dX kernels leave a planned layer's dropped rows unwritten (they may hold anything,
-    NaN included); this select zeroes them. XLA fuses it into the ops that read ``dX`` (the
-    norm's or the activation's backward, a bias gradient's row sum), where it costs one
-    predicate per element, so the dropped rows' zeros are never stored by a kernel
-    (``benchmarks/NOTES.md``, "v21").
-
-    >>> import jax.numpy as jnp
-    >>> plan = row_plan(jnp.array([0, 1, 1]))
-    >>> plan.mask_rows(jnp.array([[jnp.nan], [7.0], [9.0]])).tolist()
-    [[0.0], [7.0], [9.0]]
-    """
-    return jnp.where(self.keep[:, None], rows, jnp.zeros((), rows.dtype))
-
-
 jax.tree_util.register_dataclass(RowPlan, data_fields=["keep", "perm", "count"],
                                  meta_fields=["rows_shape", "check"])
 

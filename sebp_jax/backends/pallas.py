@@ -645,9 +645,9 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               accumulator: jax.Array | None = None, zero_rows: bool = True) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
-  One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows; with
-  ``config.dx_split > 1`` also a reduction launch (``sebp_dx_reduce``) that sums the split
-  tiles' float32 partials into ``dx`` in place.
+  One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows (with
+  ``zero_rows``); with ``config.dx_split > 1`` also a reduction launch (``sebp_dx_reduce``) that
+  sums the split tiles' float32 partials into ``dx`` in place.
 
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
@@ -658,7 +658,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
       written into the accumulator's buffer (donated), and no zero row is written.
     zero_rows: write the dropped rows' zeros. Without, the rows past the live tiles hold
       whatever the buffer held (NaN in the interpreter): for a caller that zeroes them itself,
-      as a select XLA fuses into ``dx``'s consumers (:meth:`sebp_jax.RowPlan.mask_rows`).
+      as a select XLA fuses into ``dx``'s consumers (:func:`_zero_dropped_rows`).
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
@@ -773,11 +773,12 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
                     interpret: bool = False, kernel_nk: bool = False, dx_into=None,
-                    plan: RowPlan | None = None):
+                    keep: jax.Array | None = None):
   """Compact the kept rows (unless ``config.compact`` is off), then both products, on a ready
   partition ``(perm, count)``; operands padded to whole tiles where needed. ``kernel_nk`` and
-  ``dx_into``: as in :func:`backward`. With ``plan`` (the partition's), ``dX``'s dropped rows are
-  not written and the plan's :meth:`~sebp_jax.RowPlan.mask_rows` zeroes them."""
+  ``dx_into``: as in :func:`backward`. With ``keep`` (``(M,)`` bool, the partition's rows),
+  the dX kernel leaves the dropped rows unwritten and :func:`_zero_dropped_rows` zeroes them;
+  without it the kernel writes their zeros."""
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
@@ -788,14 +789,23 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
     sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
                             interpret=interpret)
   dyc, *xc = sources
-  masked = plan is not None and dx_into is None
+  masked = keep is not None and dx_into is None
   dx, dw = _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
                      in_features=in_features, out_features=out_features, config=config,
                      precision=precision, interpret=interpret, kernel_nk=kernel_nk,
                      dx_into=dx_into, zero_rows=not masked)
   if masked and dx is not None:
-    dx = plan.mask_rows(dx)
+    dx = _zero_dropped_rows(dx, keep)
   return dx, dw
+
+
+def _zero_dropped_rows(dx, keep):
+  """``dx`` ``(M, K)`` with every row outside ``keep`` zero, whatever it held: the dX kernel left
+  those rows unwritten (``dx_pallas(zero_rows=False)``). A select on a row predicate, which XLA
+  fuses into the ops that read ``dx`` (a norm's or an activation's backward, a bias gradient's
+  row sum) at the cost of one predicate per element, so no kernel stores the dropped rows' zeros
+  (``benchmarks/NOTES.md``, "v21")."""
+  return jnp.where(keep[:, None], dx, jnp.zeros((), dx.dtype))
 
 
 def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
@@ -847,9 +857,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         zero_rows=plan is None)
+                         zero_rows=False)
       dws.append(dw)
-    return (dx if plan is None else plan.mask_rows(dx)), dws
+    return _zero_dropped_rows(dx, keep), dws
 
   def dense():
     parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
@@ -904,7 +914,7 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
   sparse = functools.partial(sparse_backward, config=config, precision=precision,
-                             interpret=interpret, kernel_nk=kernel_nk, dx_into=dx_into, plan=plan)
+                             interpret=interpret, kernel_nk=kernel_nk, dx_into=dx_into, keep=keep)
 
   def dense():
     dx, dw = dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
