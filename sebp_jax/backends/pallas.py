@@ -857,9 +857,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         zero_rows=False)
+                         zero_rows=plan is None)
       dws.append(dw)
-    return _zero_dropped_rows(dx, keep), dws
+    return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws
 
   def dense():
     parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
@@ -913,8 +913,12 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, interpret: boo
   else:
     keep, perm, count = plan.keep, plan.perm, plan.count
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
+  # Only a plan's rows are zeroed by a select: scored per layer, the select of each layer's own
+  # `keep` cost BERT 0.9 ms a step more than the kernel's zero rows (benchmarks/NOTES.md, "v21
+  # on an H200").
   sparse = functools.partial(sparse_backward, config=config, precision=precision,
-                             interpret=interpret, kernel_nk=kernel_nk, dx_into=dx_into, keep=keep)
+                             interpret=interpret, kernel_nk=kernel_nk, dx_into=dx_into,
+                             keep=None if plan is None else keep)
 
   def dense():
     dx, dw = dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
