@@ -802,9 +802,10 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
 def _zero_dropped_rows(dx, keep):
   """``dx`` ``(M, K)`` with every row outside ``keep`` zero, whatever it held: the dX kernel left
   those rows unwritten (``dx_pallas(zero_rows=False)``). A select on a row predicate, which XLA
-  fuses into the ops that read ``dx`` (a norm's or an activation's backward, a bias gradient's
-  row sum) at the cost of one predicate per element, so no kernel stores the dropped rows' zeros
-  (``benchmarks/NOTES.md``, "v21")."""
+  can fuse into the ops that read ``dx`` (a norm's or an activation's backward, a bias gradient's
+  row sum) at the cost of one predicate per element, so no kernel stores the dropped rows' zeros;
+  where XLA does not fuse it (one select in LLaMA's MLP), it runs as a pass of its own
+  (``benchmarks/NOTES.md``, "v21", "v21 on an H200")."""
   return jnp.where(keep[:, None], dx, jnp.zeros((), dx.dtype))
 
 
@@ -857,7 +858,7 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         zero_rows=plan is None)
+                         zero_rows=plan is None)  # a plan's select, as in `backward`
       dws.append(dw)
     return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws
 
