@@ -69,15 +69,25 @@ def _jax_loss(module, params: Any, batch: dict) -> Any:
 
 
 def _torch_model(config, device: str):
-  """HF ``BertForSequenceClassification`` of the same config, bfloat16, SDPA attention."""
+  """HF ``BertForSequenceClassification`` of the same config, bfloat16, with padding-aware
+  attention: a :class:`benchmarks.torch_attention.RightPaddedModel` (``model(input_ids=...,
+  attention_mask=..., labels=...)``; the inner model as ``.model``) whose attention layers run
+  flash attention over each sequence's real prefix and over blocks of its padded tail.
+
+  Exact for right-padded batches: a real token attends to the real tokens, as under the HF key
+  mask; padded queries attend within their tail block instead of to the real keys, but nothing
+  flows from a padded row to ``[CLS]`` or the loss (:mod:`benchmarks.torch_attention`)."""
   import torch
   import transformers
 
+  from benchmarks.torch_attention import RightPaddedModel, register
+
   hf_config = transformers.BertConfig(
     **{k: v for k, v in dataclasses.asdict(config).items() if k != "attention_impl"},
-    attn_implementation="sdpa")
+    attn_implementation=register())
   with torch.device(device):
-    return transformers.BertForSequenceClassification(hf_config).to(torch.bfloat16)
+    model = transformers.BertForSequenceClassification(hf_config).to(torch.bfloat16)
+  return RightPaddedModel(model)
 
 
 def build(tiny: bool) -> ModelSpec:

@@ -9,9 +9,9 @@ Workloads: the real token lengths of PIQA, SIQA, CommonsenseQA and OpenBookQA tr
 nothing to skip and must cost nothing. The loss is the next-token cross-entropy with labels -100 on
 padding. Variants and measurement: :mod:`benchmarks.workloads`.
 
-The torch model is called without the padding mask (exact for right padding, see
-``_without_padding_mask``), so SDPA uses its causal flash kernel, as the JAX model's
-``right_padded=True`` uses its padding-aware attention.
+The torch model runs padding-aware flash attention (:mod:`benchmarks.torch_attention`: causal
+within each sequence's real prefix, padded tail in blocks of 128; exact for right padding), as the
+JAX model's ``right_padded=True`` uses its padding-aware attention.
 
 Memory: 3.2B parameters, gradients and AdamW moments in bfloat16 are 25.7 GB before activations;
 batch 4 at context 4096 adds tens of GB (the logits alone are 16384 x 128256): it may not fit an
@@ -82,10 +82,20 @@ def _jax_loss(module, params: Any, batch: dict) -> Any:
 
 
 def _torch_model(config, device: str):
-  """HF ``LlamaForCausalLM`` of the same config, bfloat16, SDPA attention, called without the
-  padding mask (:func:`_without_padding_mask`)."""
+  """HF ``LlamaForCausalLM`` of the same config, bfloat16, with padding-aware attention: a
+  :class:`benchmarks.torch_attention.RightPaddedModel` (``model(input_ids=..., attention_mask=...,
+  labels=...)``; the inner model as ``.model``) whose attention layers run causal flash attention
+  over each sequence's real prefix and over blocks of its padded tail, never across padding.
+
+  Exact for right-padded batches: under the causal mask a real token attends only to earlier,
+  real tokens, its prefix segment here, and position ids do not depend on the mask. Padded
+  positions compute something, but their labels are -100 and nothing flows from them back to a
+  real token, so the loss and every gradient are those of the masked model, and the padded rows of
+  every linear layer's output gradient stay zero (:mod:`benchmarks.torch_attention`)."""
   import torch
   import transformers
+
+  from benchmarks.torch_attention import RightPaddedModel, register
 
   rope = config.rope_scaling
   hf_config = transformers.LlamaConfig(
@@ -99,40 +109,15 @@ def _torch_model(config, device: str):
       rope_type="llama3", factor=rope.factor, low_freq_factor=rope.low_freq_factor,
       high_freq_factor=rope.high_freq_factor,
       original_max_position_embeddings=rope.original_max_position_embeddings),
-    pad_token_id=_PAD_ID, attn_implementation="sdpa")
+    pad_token_id=_PAD_ID, attn_implementation=register())
   # Built in bfloat16 directly on the device: a float32 copy of 3.2B parameters would need 13 GB.
   previous = torch.get_default_dtype()
   torch.set_default_dtype(torch.bfloat16)
   try:
     with torch.device(device):
-      return _without_padding_mask(transformers.LlamaForCausalLM(hf_config))
+      return RightPaddedModel(transformers.LlamaForCausalLM(hf_config))
   finally:
     torch.set_default_dtype(previous)
-
-
-def _without_padding_mask(model):
-  """``model`` called as ``model(input_ids=..., labels=...)``: the batch's ``attention_mask`` is
-  dropped, so SDPA runs its causal flash kernel instead of the memory-efficient one with a 4-D
-  mask, as the JAX model's ``right_padded=True`` uses its padding-aware attention.
-
-  Exact for right-padded batches: under the causal mask a real token attends only to earlier,
-  real tokens, and position ids do not depend on the mask. The padded positions compute
-  something, but their labels are -100, and nothing flows from them back to a real token (a
-  padded position is seen only by later, padded ones), so the loss and every gradient are those
-  of the masked model, and the padded rows of every linear layer's output gradient stay zero.
-  """
-  import torch
-
-  class RightPaddedCausalLM(torch.nn.Module):
-    def __init__(self, inner):
-      super().__init__()
-      self.model = inner
-
-    def forward(self, input_ids, attention_mask, labels):
-      del attention_mask  # right padding: see _without_padding_mask
-      return self.model(input_ids=input_ids, labels=labels)
-
-  return RightPaddedCausalLM(model)
 
 
 def build(tiny: bool, layers: int | None = None, scan_layers: bool = False) -> ModelSpec:

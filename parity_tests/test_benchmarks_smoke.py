@@ -309,25 +309,6 @@ def test_merge_refuses_results_that_do_not_compare(second, message):
     merge.merge_results([first, _result("H200", ("torch-dense", 1, 1.0))], ["a", "b"], [4])
 
 
-def test_llama_torch_model_without_the_padding_mask_is_exact():
-  """Right padding under a causal mask: dropping the mask changes no loss and no gradient."""
-  torch = pytest.importorskip("torch")
-  pytest.importorskip("transformers")
-  from benchmarks import llama
-
-  torch.manual_seed(0)
-  wrapped = llama.build(True).torch_model("cpu").float()
-  batch = {k: torch.from_numpy(v).long() for k, v in llama.make_batch(
-    np.array([40, 128]), 128, np.random.default_rng(0), 512).items()}
-  params = list(wrapped.model.parameters())
-  loss = wrapped(**batch).loss
-  masked_loss = wrapped.model(**batch).loss  # the Hugging Face model with the mask
-  assert batch["attention_mask"].float().mean() < 1  # the batch does pad
-  torch.testing.assert_close(loss, masked_loss, rtol=1e-6, atol=0)
-  for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(masked_loss, params)):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-
-
 @pytest.mark.parametrize("dense,sebp", [("jax-dense-einsum", "jax-sebp-pallas-einsum"),
                                         ("jax-dense-cmdbuf", "jax-sebp-pallas-plan-cmdbuf")])
 def test_variants_divide_their_own_dense_run(dense, sebp):
