@@ -19,8 +19,12 @@ Variants (:data:`VARIANTS`)
   with the exact policy), ``jax-bound`` (:func:`free_linear_backward`: every linear layer's
   backward costs nothing, the limit SEBP approaches), ``jax-dynamic`` (the dense model on each
   batch cut to its own longest sequence, rounded up to a multiple: the padding-free bound, paid for
-  with one compilation per length bucket), ``torch-dense`` (Hugging Face, bfloat16 weights, SDPA
-  attention), ``torch-dense-compiled`` (the same under ``torch.compile``), ``torch-sebp``
+  with one compilation per length bucket), ``torch-dense`` (Hugging Face, bfloat16 weights, with
+  padding-aware flash attention, :mod:`benchmarks.torch_attention`: varlen segments over each
+  sequence's real prefix and 128-token blocks of its padded tail, a fixed count computed on the
+  device, so padded rows cost next to nothing, as the JAX models' cuDNN attention with sequence
+  lengths skips them; every torch variant runs the same attention, exact for right-padded
+  batches), ``torch-dense-compiled`` (the same under ``torch.compile``), ``torch-sebp``
   (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA, the dense backward chosen per step from the
   batch's real-token fraction with :func:`sebp_torch_ref.dense_backward`), ``torch-bound``
   (:func:`benchmarks.torch_bound.free_linear_backward_`: every ``nn.Linear`` backward free, ``dY``
