@@ -43,7 +43,8 @@ stage() {
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
 stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
-  parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py -m gpu -q -x -p no:cacheprovider \
+  parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py parity_tests/test_torch_attention.py \
+  -m gpu -q -x -p no:cacheprovider \
   --junitxml="$out/gpu_tests_torch.xml"
 stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
   --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"

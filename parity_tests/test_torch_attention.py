@@ -140,6 +140,21 @@ def test_segment_attention_refuses_what_it_cannot_do():
     varlen_segment_attention(tokens, tokens, tokens, segments, causal=False, impl="sdpa")
 
 
+def test_flash_path_calls_the_aten_ops_as_their_schemas_say():
+  """On meta tensors the aten flash ops run their shape functions: the forward and backward
+  calls' argument order, and GQA's key/value heads, type-check without a GPU."""
+  from benchmarks.torch_attention import _FlashVarlen
+
+  batch, seq_len, heads, kv_heads, dim = 2, 256, 6, 2, 64
+  q, k, v = (torch.empty(batch * seq_len, h, dim, device="meta", dtype=torch.bfloat16,
+                         requires_grad=True) for h in (heads, kv_heads, kv_heads))
+  segments = padding_segments(torch.ones(batch, seq_len, dtype=torch.long, device="meta"))
+  out = _FlashVarlen.apply(q, k, v, segments.cu_seqlens, seq_len, True, None)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  out.backward(torch.empty_like(out))
+  assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
 def _tiny_models(name, block):
   """The benchmark's tiny torch model in float32 (padding-aware attention, tail blocks of
   ``block``) and a copy of its Hugging Face model with SDPA, called with the mask."""
@@ -258,9 +273,9 @@ def test_flash_path_replays_in_a_cuda_graph_with_new_lengths():
     graph.replay()
     want, *want_grads = _flash_and_reference(q, k, v, grad, padding_segments(static_mask),
                                              True)[0]
-    torch.testing.assert_close(out.float(), want, rtol=0, atol=0)
-    for x, g in zip(inputs, want_grads):
-      torch.testing.assert_close(x.grad.float(), g, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=0)  # the forward is deterministic
+    for x, g in zip(inputs, want_grads):  # the backward's dq accumulates in any order
+      torch.testing.assert_close(x.grad.float(), g, rtol=1e-2, atol=1e-2 * float(g.abs().max()))
 
 
 @pytest.mark.gpu
