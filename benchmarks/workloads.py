@@ -24,7 +24,8 @@ Variants (:data:`VARIANTS`)
   sequence's real prefix and 128-token blocks of its padded tail, a fixed count computed on the
   device, so padded rows cost next to nothing, as the JAX models' cuDNN attention with sequence
   lengths skips them; every torch variant runs the same attention, exact for right-padded
-  batches), ``torch-dense-compiled`` (the same under ``torch.compile``), ``torch-sebp``
+  batches), ``torch-dense-compiled`` (the same under ``torch.compile``; beside it
+  ``torch-sebp-plan-compiled`` and ``torch-bound-compiled``, compared with it), ``torch-sebp``
   (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA, the dense backward chosen per step from the
   batch's real-token fraction with :func:`sebp_torch_ref.dense_backward`), ``torch-bound``
   (:func:`benchmarks.torch_bound.free_linear_backward_`: every ``nn.Linear`` backward free, ``dY``
@@ -244,7 +245,9 @@ class Variant:
   rows handed to every layer once per step from the attention mask (a row plan), instead of each
   layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
   :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
-  step captured in CUDA graphs and replayed per batch. ``layers``: ``"dense"``, the model as
+  step captured in CUDA graphs and replayed per batch. ``compiled``: the torch model (after its
+  patching) under ``torch.compile`` in its default mode; each SEBP layer is a graph break, so
+  Inductor compiles and fuses what lies between them. ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
@@ -259,6 +262,7 @@ class Variant:
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
+  compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: graph breaks)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
 
   @property
@@ -285,8 +289,12 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-sebp-plan-graphed", "torch", "triton", rows=True, graphed=True),
   Variant("torch-bound-graphed", "torch", "bound", graphed=True),
   Variant("torch-sebp-topn-graphed", "torch", "triton", max_rows="paper", graphed=True),
-  # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows.
-  Variant("torch-dense-compiled", "torch", "compiled"),
+  # Compiling takes the longest (minutes on LLaMA-3B): last of the torch rows. Compared with
+  # each other, as the graphed ones are: Inductor fuses the norms, activations and loss that the
+  # eager step runs op by op, for dense, SEBP and the bound alike.
+  Variant("torch-dense-compiled", "torch", "dense", compiled=True),
+  Variant("torch-sebp-plan-compiled", "torch", "triton", rows=True, compiled=True),
+  Variant("torch-bound-compiled", "torch", "bound", compiled=True),
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.
@@ -785,13 +793,11 @@ def torch_variant_model(spec: ModelSpec, variant: Variant, device: str):
   model = spec.torch_model(device)
   if variant.impl == "bound":
     free_linear_backward_(model)
-  elif variant.impl == "compiled":
-    model = torch.compile(model)
   elif variant.impl != "dense":
     max_rows = spec.paper_max_rows if variant.max_rows == "paper" else None
     apply_sebp(model, RowPolicy(max_rows=max_rows), impl=_torch_impl(variant, device))
   model.train()
-  return model
+  return torch.compile(model) if variant.compiled else model
 
 
 def _torch_impl(variant: Variant, device: str) -> str:

@@ -83,3 +83,14 @@ def test_command_buffer_variants_compare_with_dense_and_bound_under_the_same_fla
   assert plan["own_bwd_x"] == (2.0, 2.0)           # 8 / 4, not jax-dense's 10 / 4
   assert plan["way"] == (2 / 3, 2 / 3)             # (8-4)/(8-2)
   assert plan["bwd_x"] == (2.0, 2.0)               # over jax-dense-cmdbuf too (Variant.baseline)
+
+
+def test_compiled_torch_variants_compare_with_compiled_dense_and_bound():
+  result = {**RESULT, "rows": RESULT["rows"] + [
+    _row("a", "torch-dense-compiled", bwd=12.0, step=24.0, mem=None),
+    _row("a", "torch-bound-compiled", bwd=3.0, step=15.0, mem=None),
+    _row("a", "torch-sebp-plan-compiled", bwd=4.0, step=16.0, mem=None),
+  ]}
+  plan = summary.variant_ranges(result)[(4, "torch-sebp-plan-compiled")]
+  assert plan["own_bwd_x"] == (3.0, 3.0)           # 12 / 4, not eager torch-dense's 20 / 4
+  assert plan["way"] == (8 / 9, 8 / 9)             # (12-4)/(12-3)

@@ -229,6 +229,14 @@ def test_bert_tiny_end_to_end_in_process(tmp_path):
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
 
 
+def test_bert_tiny_compiled_torch_variants(tmp_path):
+  # torch.compile of the patched model: the SEBP layers are graph breaks, the rest compiled.
+  variants = {"torch-dense-compiled", "torch-sebp-plan-compiled", "torch-bound-compiled"}
+  result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants)
+  _check_schema(result, variants, {4})
+  assert all(r["error"] is None for r in result["rows"])
+
+
 def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   """The torch host-overhead benchmark end to end on CPU: every path at tiny sizes with Triton
   interpreted (host times only), its table and the Triton path's cProfile."""
