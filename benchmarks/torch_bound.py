@@ -29,10 +29,23 @@ class _FreeLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         need_x, need_w, need_b = ctx.needs_input_grad
         column_sum = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)  # the one read of dY
-        dx = torch.zeros(ctx.x_meta[0], dtype=ctx.x_meta[1], device=dy.device) if need_x else None
-        dw = torch.zeros(ctx.weight_meta[0], dtype=ctx.weight_meta[1], device=dy.device) if need_w else None
+        dx = _zeros(ctx.x_meta, column_sum) if need_x else None
+        dw = _zeros(ctx.weight_meta, column_sum) if need_w else None
         db = column_sum.to(ctx.bias_dtype) if need_b else None
         return dx, dw, db
+
+
+def _zeros(meta: tuple[torch.Size, torch.dtype], column_sum: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``meta``'s shape and dtype. Eagerly a memset. Under ``torch.compile`` constant
+    zeros would let Inductor fold away every backward op they feed (the norms', activations' and
+    attention's, which SEBP must still run, as ``jax-bound``'s comment in
+    ``benchmarks.workloads._free_matmul_bwd`` explains): there they are ``dY``'s finite sum times
+    zero, a run-time value, as in ``jax-bound``."""
+    shape, dtype = meta
+    if not torch.compiler.is_compiling():
+        return torch.zeros(shape, dtype=dtype, device=column_sum.device)
+    zero = 0.0 * torch.nan_to_num(column_sum.sum(), nan=0.0, posinf=0.0, neginf=0.0)
+    return zero.to(dtype).expand(shape).contiguous()
 
 
 class FreeBackwardLinear(nn.Linear):
