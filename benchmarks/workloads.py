@@ -246,8 +246,8 @@ class Variant:
   layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
   :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
   step captured in CUDA graphs and replayed per batch. ``compiled``: the torch model (after its
-  patching) under ``torch.compile`` in its default mode; each SEBP layer is a graph break, so
-  Inductor compiles and fuses what lies between them. ``layers``: ``"dense"``, the model as
+  patching) under ``torch.compile`` in its default mode; each SEBP layer is a custom op in the
+  one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break). ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
@@ -262,7 +262,7 @@ class Variant:
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
-  compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: graph breaks)
+  compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: custom ops)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
 
   @property

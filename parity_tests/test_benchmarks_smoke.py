@@ -230,7 +230,7 @@ def test_bert_tiny_end_to_end_in_process(tmp_path):
 
 
 def test_bert_tiny_compiled_torch_variants(tmp_path):
-  # torch.compile of the patched model: the SEBP layers are graph breaks, the rest compiled.
+  # torch.compile of the patched model: the SEBP layers are custom ops in the compiled graph.
   variants = {"torch-dense-compiled", "torch-sebp-plan-compiled", "torch-bound-compiled"}
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants)
   _check_schema(result, variants, {4})

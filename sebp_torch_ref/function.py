@@ -13,6 +13,10 @@ the plan's rows too, by the GEMM launch that reads them. Backends (``impl``):
 * ``"dense"``: the plain backward, for A/B runs.
 * ``"auto"``: ``"triton"`` on CUDA, ``"torch"`` elsewhere.
 
+The backends live in :mod:`sebp_torch_ref.grads`. Under ``torch.compile`` the layer is a custom
+op with a registered autograd instead of the ``autograd.Function`` (:mod:`sebp_torch_ref.compiled`),
+so the compiled model stays one graph.
+
 The dense crossover is decided once per step on the host, from what the data loader knows about
 the batch (:func:`dense_backward`), never from a device value: with most rows real, the plain
 backward (cuBLAS) is faster than any row selection. A row plan (:func:`~sebp_torch_ref.row_plan`)
@@ -23,18 +27,33 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import torch
 import torch.nn.functional as F
 
+from . import compiled
+from .grads import linear_grads
 from .plan import current_plan
-from .policy import RowPolicy, active_first_permutation, keep_mask
+from .policy import RowPolicy
 
 __all__ = ["IMPLS", "dense_backward", "sebp_linear"]
 
 IMPLS = ("auto", "triton", "torch", "dense")
 
 _DENSE_BACKWARD = contextvars.ContextVar("sebp_dense_backward", default=False)
+
+
+class _TracedView(threading.local):
+    """This thread's :func:`dense_backward` choice as code under ``torch.compile`` reads it: Dynamo
+    cannot call ``ContextVar.get``, but it reads and guards on this, so a step of the other choice
+    runs the other compiled graph (as :class:`~sebp_torch_ref.plan._TracedView` for row plans)."""
+
+    def __init__(self) -> None:
+        self.dense = False
+
+
+_TRACED_VIEW = _TracedView()
 
 
 @contextlib.contextmanager
@@ -55,47 +74,20 @@ def dense_backward(enabled: bool = True):
             f"dense_backward: `enabled` must be a Python bool decided on the host, got "
             f"{type(enabled).__name__}."
         )
+    outer = _TRACED_VIEW.dense
     token = _DENSE_BACKWARD.set(enabled or _DENSE_BACKWARD.get())
+    _TRACED_VIEW.dense = enabled or outer
     try:
         yield
     finally:
         _DENSE_BACKWARD.reset(token)
+        _TRACED_VIEW.dense = outer
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return impl
-
-
-def _masked_grads(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
-    need_x: bool, need_w: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dX (M, K)`` and ``dW (N, K)`` of the gradient masked to rows ``perm[:count]``, each only
-    if needed (index ops; reads ``count`` on the host)."""
-    kept = perm[: int(count.item())].long()
-    dy_kept = dy.index_select(0, kept)
-    dx = dw = None
-    if need_x:
-        dx = dy.new_zeros(dy.shape[0], weight.shape[1]).index_copy_(0, kept, _matmul(dy_kept, weight))
-    if need_w:
-        dw = _matmul(dy_kept.t(), x.index_select(0, kept))
-    return dx, dw
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` accumulated in float32 and rounded once to ``a``'s dtype.
-
-    On CPU, 16-bit operands are widened to float32 first: torch's own CPU bfloat16 GEMM on CPUs
-    with AMX-BF16 spreads a NaN/Inf of one row of ``a`` into other rows of the product (seen with
-    torch 2.13 on (42, 29) @ (29, 45)), which would put NaN into rows the contract keeps finite.
-    Products of 16-bit floats are exact in float32, so this is the contract's float32
-    accumulation. CUDA GEMMs accumulate 16-bit operands in float32 already.
-    """
-    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16):
-        return (a.float() @ b.float()).to(a.dtype)
-    return a @ b
 
 
 class _SEBPLinearFunction(torch.autograd.Function):
@@ -114,60 +106,11 @@ class _SEBPLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = ctx.needs_input_grad[2]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
-        dy = dy.to(ctx.dtype)
-        plan = ctx.plan
-        if plan is not None and plan.check:
-            plan.check_covers(dy, ctx.name)
-        if ctx.impl == "triton":
-            from . import kernels  # Triton is needed only here (and may be absent elsewhere).
-
-            if plan is None:
-                # One read of dY gives the row selection and db's partial sums.
-                dx, dw, db = kernels.sebp_grads(
-                    dy, x if need_w else None, weight if need_x else None, ctx.policy,
-                    ctx.bias_dtype if need_b else None,
-                )
-                return dx, dw, db, None, None, None, None
-        dx = dw = db = None
-        if ctx.impl == "dense":
-            dx = dy @ weight if need_x else None
-            dw = dy.t() @ x if need_w else None
-            db = _bias_grad(dy, ctx.bias_dtype) if need_b else None
-        elif ctx.impl == "triton":  # under a plan (unplanned returned above)
-            # dW's programs sum db from the rows they load (a layer with in-features to load).
-            fused_db = need_b and need_w and x.shape[1] > 0
-            if need_x or need_w:
-                # The plan's rows, read in place through its permutation: one GEMM launch.
-                dx, dw, db = kernels.sebp_gemms(
-                    dy, weight if need_x else None, x if need_w else None, *plan.rows("triton"), ctx.dtype,
-                    compacted=False, bias_dtype=ctx.bias_dtype if fused_db else None,
-                )
-            if need_b and not fused_db:
-                db = _planned_bias_grad(dy, plan, ctx.bias_dtype)
-        else:
-            if need_x or need_w:
-                perm, count = (active_first_permutation(keep_mask(dy, ctx.policy)) if plan is None
-                               else plan.rows("torch"))
-                dx, dw = _masked_grads(dy, x, weight, perm, count, need_x, need_w)
-            if need_b:
-                db = _bias_grad(dy, ctx.bias_dtype) if plan is None else _planned_bias_grad(dy, plan, ctx.bias_dtype)
+        dx, dw, db = linear_grads(dy.to(ctx.dtype), x, weight, ctx.bias_dtype if need_b else None,
+                                  ctx.policy, ctx.impl, ctx.plan, ctx.name)
         return dx, dw, db, None, None, None, None
-
-
-def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``db``: the full column sum of ``dy``, accumulated in float32. torch sums 16-bit floats in
-    float32 already, so where ``db`` has ``dy``'s dtype this is one launch."""
-    if dtype == dy.dtype:
-        return dy.sum(dim=0)
-    return dy.sum(dim=0, dtype=torch.float32).to(dtype)
-
-
-def _planned_bias_grad(dy: torch.Tensor, plan, dtype: torch.dtype) -> torch.Tensor:
-    """``db`` under a row plan: the column sum over the plan's rows, as dX and dW take them (a
-    non-finite value outside the plan is dropped, not summed)."""
-    return _bias_grad(dy.masked_fill(plan.mask.reshape(-1, 1) == 0, 0), dtype)
 
 
 def _check_args(x, weight, bias, policy, impl, name) -> None:
@@ -232,19 +175,17 @@ def sebp_linear(
     :func:`~sebp_torch_ref.row_plan`, a layer whose leading dims are the mask's keeps the mask's
     rows instead of scoring ``dY`` (exact policy only).
     """
-    if torch.compiler.is_compiling():
-        return _sebp_linear_graph_break(x, weight, bias, policy, impl, name)
-    return _sebp_linear(x, weight, bias, policy, impl, name)
-
-
-def _sebp_linear(x, weight, bias, policy, impl, name) -> torch.Tensor:
+    # Under torch.compile the layer stays in the graph as a custom op (:mod:`.compiled`); eagerly
+    # it is the autograd Function, which costs less host time per call.
+    traced = torch.compiler.is_compiling()
     _check_args(x, weight, bias, policy, impl, name)
-    impl = "dense" if _DENSE_BACKWARD.get() else _resolve_impl(impl, x.device)
+    dense = _TRACED_VIEW.dense if traced else _DENSE_BACKWARD.get()
+    impl = "dense" if dense else _resolve_impl(impl, x.device)
     if impl == "triton":
         from . import kernels
 
         kernels.check_device(x)  # Fail at the call, not deep inside the backward.
-    plan = None if impl == "dense" else current_plan(x)
+    plan = None if impl == "dense" else current_plan(x, traced)
     if plan is not None:
         # Named here, not per call: only a planned layer's errors need the name.
         name = name or f"sebp_linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
@@ -264,10 +205,11 @@ def _sebp_linear(x, weight, bias, policy, impl, name) -> torch.Tensor:
         bias = None if bias is None else bias.to(dtype)
         autocast = torch.autocast(device_type, enabled=False)
     with autocast:
-        y2d = _SEBPLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, policy, impl, plan, name)
+        x2d = x.reshape(-1, x.shape[-1])
+        if not traced:
+            y2d = _SEBPLinearFunction.apply(x2d, weight, bias, policy, impl, plan, name)
+        elif impl == "dense":  # the plain backward: Inductor compiles it with the rest
+            y2d = F.linear(x2d, weight, bias)
+        else:
+            y2d = compiled.linear(x2d, weight, bias, policy, impl, plan, name)
     return y2d.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# Under torch.compile the layer is a graph break: the Triton launches and the autograd Function run
-# eagerly. Only there: wrapping sebp_linear itself would cost every eager call the wrapper's time.
-_sebp_linear_graph_break = torch.compiler.disable(_sebp_linear)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import torch
 
@@ -26,6 +27,24 @@ from .policy import RowPolicy, active_first_permutation, keep_mask
 __all__ = ["RowPlan", "row_plan"]
 
 _ROW_PLAN = contextvars.ContextVar("sebp_row_plan", default=None)
+
+
+class _TracedView(threading.local):
+    """The active plan of this thread, as code under ``torch.compile`` reads it.
+
+    Dynamo cannot call ``ContextVar.get`` (a graph break), but it reads an attribute of a
+    ``threading.local`` and guards on it, per thread: a step under another plan (a new mask
+    tensor) reuses the compiled graph with the mask as its input, a step without a plan runs the
+    graph traced without one. :func:`row_plan` sets both; eager code reads the ``ContextVar``
+    alone. (Unlike the ``ContextVar``, the view is not copied into asyncio tasks or
+    ``contextvars.copy_context``.)
+    """
+
+    def __init__(self) -> None:
+        self.plan: RowPlan | None = None
+
+
+_TRACED_VIEW = _TracedView()
 
 
 class RowPlan:
@@ -37,11 +56,13 @@ class RowPlan:
         check: whether every planned layer verifies that no row outside the mask is non-zero.
     """
 
-    def __init__(self, mask: torch.Tensor, check: bool) -> None:
+    def __init__(self, mask: torch.Tensor, check: bool,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.mask = mask
         self.rows_shape = tuple(mask.shape)
         self.check = check
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (perm, count) as rows() makes them; given where a compiled graph has made them already.
+        self._rows = rows
 
     def applies_to(self, x: torch.Tensor) -> bool:
         """Whether the plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
@@ -107,14 +128,18 @@ def row_plan(mask: torch.Tensor, *, check: bool = False):
                          f"{tuple(mask.shape)}.")
     if not isinstance(check, bool):
         raise TypeError(f"row_plan: `check` must be a bool, got {check!r}.")
-    token = _ROW_PLAN.set(RowPlan(mask, check))
+    plan, outer = RowPlan(mask, check), _TRACED_VIEW.plan
+    token = _ROW_PLAN.set(plan)
+    _TRACED_VIEW.plan = plan
     try:
-        yield _ROW_PLAN.get()
+        yield plan
     finally:
         _ROW_PLAN.reset(token)
+        _TRACED_VIEW.plan = outer
 
 
-def current_plan(x: torch.Tensor) -> RowPlan | None:
-    """The active plan if it applies to the layer input ``x``, else ``None``."""
-    plan = _ROW_PLAN.get()
+def current_plan(x: torch.Tensor, traced: bool = False) -> RowPlan | None:
+    """The active plan if it applies to the layer input ``x``, else ``None``; ``traced``: read as
+    code under ``torch.compile`` must (see :class:`_TracedView`)."""
+    plan = _TRACED_VIEW.plan if traced else _ROW_PLAN.get()
     return plan if plan is not None and plan.applies_to(x) else None

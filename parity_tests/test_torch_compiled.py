@@ -1,0 +1,267 @@
+"""sebp_linear under torch.compile: one graph, no graph break, the eager gradients.
+
+Under ``torch.compile`` the SEBP layer is the custom op ``sebp_torch_ref::linear`` whose registered
+autograd calls ``sebp_torch_ref::linear_backward`` (``sebp_torch_ref/compiled.py``). These tests
+compile a small patched model with ``fullgraph=True`` (a graph break is an error) and compare its
+gradients with the eager SEBP model's and with dense autograd's, on padded batches, under a row
+plan and under ``dense_backward()``.
+
+``impl="triton"`` runs on CPU under the Triton interpreter, in a fresh process started by
+``test_triton_interpreter`` (the interpreter must be on before Triton is imported), as in
+test_torch_sebp_linear.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from sebp_torch_ref import apply_sebp, dense_backward, row_plan
+from sebp_torch_ref.compiled import _active_first
+from sebp_torch_ref.policy import active_first_permutation
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+IMPLS = ["torch", "triton"]
+BACKENDS = ["aot_eager", "inductor"]
+SCENARIOS = ["padded", "nonfinite", "plan", "plan_drops", "dense_backward"]
+BATCH, SEQ, IN_FEATURES = 3, 11, 45
+LENGTHS = [4, 11, 0]  # one short sequence, one full, one all padding
+
+
+def _skip_unavailable(impl: str) -> None:
+    if impl == "triton" and not INTERPRET:
+        pytest.skip("runs in test_triton_interpreter's subprocess (TRITON_INTERPRET=1)")
+    if INTERPRET and impl != "triton":
+        pytest.skip("the interpreter process runs only the Triton cases")
+
+
+class _Net(torch.nn.Module):
+    """Odd widths, a layer without bias and one with a frozen weight (no dW: the op gets no X)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(IN_FEATURES, 31)
+        self.mid = torch.nn.Linear(31, 23, bias=False)
+        self.frozen = torch.nn.Linear(23, 37)
+        self.down = torch.nn.Linear(37, 29)
+        self.frozen.weight.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x))
+        h = torch.tanh(self.mid(h))
+        return self.down(torch.relu(self.frozen(h)) + h.sum(-1, keepdim=True))
+
+
+def _case(scenario: str):
+    """``(x, dy, mask)``: float32 inputs and an output gradient zero on the padding rows (a NaN in
+    one padding row for ``"nonfinite"``: a NaN is never dropped; non-zero padding rows for
+    ``"plan_drops"``, which a row plan drops by its contract)."""
+    gen = torch.Generator().manual_seed(len(scenario))
+    x = torch.randn(BATCH, SEQ, IN_FEATURES, generator=gen)
+    mask = torch.arange(SEQ)[None, :] < torch.tensor(LENGTHS)[:, None]
+    dy = torch.randn(BATCH, SEQ, 29, generator=gen) * mask[..., None]
+    if scenario == "nonfinite":
+        dy[2, 5, 3] = math.nan
+    if scenario == "plan_drops":
+        dy += ~mask[..., None]
+    return x, dy, mask
+
+
+def _grads(model, x, dy, context):
+    """Gradients of the parameters that require them, and of ``x``."""
+    x = x.clone().requires_grad_()
+    with context():
+        y = model(x)
+    y.backward(dy)
+    grads = {name.removeprefix("_orig_mod."): p.grad  # a compiled model's names: _orig_mod.<name>
+             for name, p in model.named_parameters() if p.requires_grad}
+    grads["x"] = x.grad
+    return grads
+
+
+def _models(impl: str):
+    torch.manual_seed(0)
+    dense = _Net()
+    sebp = copy.deepcopy(dense)
+    assert apply_sebp(sebp, impl=impl) == 4
+    return dense, sebp
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compiled_grads_equal_eager_and_dense(impl, backend, scenario):
+    _skip_unavailable(impl)
+    torch._dynamo.reset()
+    x, dy, mask = _case(scenario)
+    context = contextlib.nullcontext
+    if scenario.startswith("plan"):
+        context = lambda: row_plan(mask)  # noqa: E731
+    elif scenario == "dense_backward":
+        context = dense_backward
+    dense, sebp = _models(impl)
+    compiled_model = copy.deepcopy(sebp)
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    # Every op between the layers is row-wise: the plan's gradient is the dense one of dY * mask.
+    want = _grads(dense, x, dy * mask[..., None] if scenario == "plan_drops" else dy, contextlib.nullcontext)
+    eager = _grads(sebp, x, dy, context)
+    got = _grads(compiled, x, dy, context)
+    assert got.keys() == want.keys() == eager.keys()
+    assert "frozen.weight" not in got
+    for name in want:
+        torch.testing.assert_close(got[name], eager[name], rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+    if scenario == "nonfinite":
+        assert got["down.weight"].isnan().any()  # the NaN row was kept
+
+
+def _graph_ops(graphs):
+    """A counting AOTAutograd backend: records the forward and backward graphs' call targets."""
+    def compiler(kind):
+        def compile_graph(gm, _):
+            graphs.setdefault(kind, []).append({str(node.target) for node in gm.graph.nodes})
+            return make_boxed_func(gm.forward)
+        return compile_graph
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_graph_with_the_sebp_backward_op(impl):
+    """No graph break, planned or not, and the SEBP backward op inside the compiled backward."""
+    _skip_unavailable(impl)
+    torch._dynamo.reset()
+    x, dy, mask = _case("padded")
+    _, sebp = _models(impl)
+    for context in (contextlib.nullcontext, lambda: row_plan(mask)):
+        with context():
+            explanation = torch._dynamo.explain(sebp)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+    graphs = {}
+    compiled = torch.compile(sebp, backend=_graph_ops(graphs), fullgraph=True)
+    with row_plan(mask):
+        compiled(x.requires_grad_()).backward(dy)
+    assert len(graphs["forward"]) == len(graphs["backward"]) == 1
+    assert "sebp_torch_ref.linear.default" in graphs["forward"][0]
+    assert "sebp_torch_ref.linear_backward.default" in graphs["backward"][0]
+
+
+def test_steps_reuse_the_compiled_graphs():
+    """A new mask per step runs the graph traced under a plan (no recompilation); each of the
+    three modes (no plan, plan, dense backward) is traced once."""
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton cases")
+    torch._dynamo.reset()
+    x, dy, _ = _case("padded")
+    dense, sebp = _models("torch")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(sebp, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        mask = torch.rand(BATCH, SEQ, generator=gen) < 0.5
+        dy_step = dy * mask[..., None]
+        want = _grads(dense, x, dy_step, contextlib.nullcontext)
+        for context in (contextlib.nullcontext, lambda: row_plan(mask), dense_backward):
+            for model in (dense, compiled):
+                model.zero_grad()
+            got = _grads(compiled, x, dy_step, context)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{step} {name}")
+    assert counter.frame_count == 3
+
+
+def test_plan_of_another_thread_is_not_seen():
+    """The compiled path reads the plan per thread, as eager code reads its ContextVar: a plan
+    entered by another thread leaves this thread's compiled step unplanned (scoring dY)."""
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton cases")
+    torch._dynamo.reset()
+    x, dy, mask = _case("padded")
+    dense, sebp = _models("torch")
+    compiled = torch.compile(sebp, backend="aot_eager", fullgraph=True)
+    dy = dy + (~mask[..., None]) * 1.0  # non-zero outside the mask: a plan here would drop it
+    want = _grads(dense, x, dy, contextlib.nullcontext)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_plan():
+        with row_plan(torch.zeros(BATCH, SEQ, dtype=torch.bool)):
+            entered.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold_plan)
+    holder.start()
+    try:
+        assert entered.wait(60)
+        got = _grads(compiled, x, dy, contextlib.nullcontext)
+    finally:
+        release.set()
+        holder.join()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_compiled_under_autocast():
+    """Under autocast, as eagerly: a bfloat16 output and float32 gradients of the float32 weights."""
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton cases")
+    torch._dynamo.reset()
+    x, dy, mask = _case("padded")
+    _, sebp = _models("torch")
+    compiled = torch.compile(copy.deepcopy(sebp), backend="inductor", fullgraph=True)
+    grads = []
+    for model in (sebp, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16), row_plan(mask):
+            y = model(x)
+        assert y.dtype == torch.bfloat16
+        y.backward(dy.bfloat16())
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    for want, got in zip(*grads):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+def test_plan_check_names_the_layer():
+    """``row_plan(check=True)`` raises from the compiled backward, naming the layer."""
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton cases")
+    torch._dynamo.reset()
+    x, dy, mask = _case("padded")
+    _, sebp = _models("torch")
+    compiled = torch.compile(sebp, backend="aot_eager", fullgraph=True)
+    with row_plan(mask, check=True):
+        y = compiled(x)
+    with pytest.raises(ValueError, match="layer down has"):
+        y.backward(dy + 1.0)
+
+
+@pytest.mark.parametrize("rows, density", [(0, 0.5), (1, 0.0), (1, 1.0), (37, 0.0), (37, 0.4), (37, 1.0)])
+def test_graph_permutation_is_the_eager_one(rows, density):
+    """The compiled path's plan permutation (a sort, which CSE shares) is the eager one."""
+    if INTERPRET:
+        pytest.skip("the interpreter process runs only the Triton cases")
+    keep = torch.rand(rows, generator=torch.Generator().manual_seed(rows)) < density
+    for got, want in zip(_active_first(keep), active_first_permutation(keep)):
+        assert got.dtype == want.dtype == torch.int32
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the launcher")
+def test_triton_interpreter():
+    """Runs this module's Triton cases on CPU in a fresh process under ``TRITON_INTERPRET=1``."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
