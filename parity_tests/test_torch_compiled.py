@@ -16,9 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -27,11 +24,11 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from parity_tests.triton_interpreter import INTERPRET, run_triton_cases
 from sebp_torch_ref import apply_sebp, dense_backward, row_plan
 from sebp_torch_ref.compiled import _active_first
 from sebp_torch_ref.policy import active_first_permutation
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 IMPLS = ["torch", "triton"]
 BACKENDS = ["aot_eager", "inductor"]
 SCENARIOS = ["padded", "nonfinite", "plan", "plan_drops", "dense_backward"]
@@ -76,6 +73,13 @@ def _case(scenario: str):
     if scenario == "plan_drops":
         dy += ~mask[..., None]
     return x, dy, mask
+
+
+def _fresh_padded_case():
+    """A padded case for the torch backend's tests, with Dynamo's caches cleared."""
+    _skip_unavailable("torch")
+    torch._dynamo.reset()
+    return _case("padded")
 
 
 def _grads(model, x, dy, context):
@@ -160,10 +164,7 @@ def test_one_graph_with_the_sebp_backward_op(impl):
 def test_steps_reuse_the_compiled_graphs():
     """A new mask per step runs the graph traced under a plan (no recompilation); each of the
     three modes (no plan, plan, dense backward) is traced once."""
-    if INTERPRET:
-        pytest.skip("the interpreter process runs only the Triton cases")
-    torch._dynamo.reset()
-    x, dy, _ = _case("padded")
+    x, dy, _ = _fresh_padded_case()
     dense, sebp = _models("torch")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(sebp, backend=counter, fullgraph=True)
@@ -184,10 +185,7 @@ def test_steps_reuse_the_compiled_graphs():
 def test_plan_of_another_thread_is_not_seen():
     """The compiled path reads the plan per thread, as eager code reads its ContextVar: a plan
     entered by another thread leaves this thread's compiled step unplanned (scoring dY)."""
-    if INTERPRET:
-        pytest.skip("the interpreter process runs only the Triton cases")
-    torch._dynamo.reset()
-    x, dy, mask = _case("padded")
+    x, dy, mask = _fresh_padded_case()
     dense, sebp = _models("torch")
     compiled = torch.compile(sebp, backend="aot_eager", fullgraph=True)
     dy = dy + (~mask[..., None]) * 1.0  # non-zero outside the mask: a plan here would drop it
@@ -213,10 +211,7 @@ def test_plan_of_another_thread_is_not_seen():
 
 def test_compiled_under_autocast():
     """Under autocast, as eagerly: a bfloat16 output and float32 gradients of the float32 weights."""
-    if INTERPRET:
-        pytest.skip("the interpreter process runs only the Triton cases")
-    torch._dynamo.reset()
-    x, dy, mask = _case("padded")
+    x, dy, mask = _fresh_padded_case()
     _, sebp = _models("torch")
     compiled = torch.compile(copy.deepcopy(sebp), backend="inductor", fullgraph=True)
     grads = []
@@ -233,10 +228,7 @@ def test_compiled_under_autocast():
 
 def test_plan_check_names_the_layer():
     """``row_plan(check=True)`` raises from the compiled backward, naming the layer."""
-    if INTERPRET:
-        pytest.skip("the interpreter process runs only the Triton cases")
-    torch._dynamo.reset()
-    x, dy, mask = _case("padded")
+    x, dy, mask = _fresh_padded_case()
     _, sebp = _models("torch")
     compiled = torch.compile(sebp, backend="aot_eager", fullgraph=True)
     with row_plan(mask, check=True):
@@ -259,9 +251,4 @@ def test_graph_permutation_is_the_eager_one(rows, density):
 @pytest.mark.skipif(INTERPRET, reason="this is the launcher")
 def test_triton_interpreter():
     """Runs this module's Triton cases on CPU in a fresh process under ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_triton_cases(__file__, "triton")

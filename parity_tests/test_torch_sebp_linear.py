@@ -17,8 +17,6 @@ import contextlib
 import copy
 import functools
 import math
-import os
-import subprocess
 import sys
 import zlib
 
@@ -27,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from parity_tests.triton_interpreter import INTERPRET, run_triton_cases
 from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp, dense_backward, row_plan, sebp_linear
 from sebp_torch_ref.policy import keep_mask
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
 # (rtol, atol relative to the largest reference entry): the outputs are rounded once to the dtype.
@@ -726,9 +724,4 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
 @pytest.mark.skipif(INTERPRET, reason="this is the launcher")
 def test_triton_interpreter():
     """Runs this module's Triton cases on CPU in a fresh process under ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", "triton and cpu"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_triton_cases(__file__, "triton and cpu")
