@@ -26,8 +26,6 @@ hands every layer its kept rows once per step instead.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -36,24 +34,15 @@ from . import compiled
 from .grads import linear_grads
 from .plan import current_plan
 from .policy import RowPolicy
+from .traced_state import TracedContextVar
 
 __all__ = ["IMPLS", "dense_backward", "sebp_linear"]
 
 IMPLS = ("auto", "triton", "torch", "dense")
 
-_DENSE_BACKWARD = contextvars.ContextVar("sebp_dense_backward", default=False)
-
-
-class _TracedView(threading.local):
-    """This thread's :func:`dense_backward` choice as code under ``torch.compile`` reads it: Dynamo
-    cannot call ``ContextVar.get``, but it reads and guards on this, so a step of the other choice
-    runs the other compiled graph (as :class:`~sebp_torch_ref.plan._TracedView` for row plans)."""
-
-    def __init__(self) -> None:
-        self.dense = False
-
-
-_TRACED_VIEW = _TracedView()
+# The per-step crossover's choice, read by traced code too (a step of the other choice runs the
+# other compiled graph).
+_DENSE_BACKWARD = TracedContextVar("sebp_dense_backward", default=False)
 
 
 @contextlib.contextmanager
@@ -74,14 +63,8 @@ def dense_backward(enabled: bool = True):
             f"dense_backward: `enabled` must be a Python bool decided on the host, got "
             f"{type(enabled).__name__}."
         )
-    outer = _TRACED_VIEW.dense
-    token = _DENSE_BACKWARD.set(enabled or _DENSE_BACKWARD.get())
-    _TRACED_VIEW.dense = enabled or outer
-    try:
+    with _DENSE_BACKWARD.bound(lambda outer: enabled or outer):
         yield
-    finally:
-        _DENSE_BACKWARD.reset(token)
-        _TRACED_VIEW.dense = outer
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -179,7 +162,7 @@ def sebp_linear(
     # it is the autograd Function, which costs less host time per call.
     traced = torch.compiler.is_compiling()
     _check_args(x, weight, bias, policy, impl, name)
-    dense = _TRACED_VIEW.dense if traced else _DENSE_BACKWARD.get()
+    dense = _DENSE_BACKWARD.get(traced)
     impl = "dense" if dense else _resolve_impl(impl, x.device)
     if impl == "triton":
         from . import kernels

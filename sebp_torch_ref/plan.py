@@ -17,34 +17,16 @@ and raises an error naming the layer when a row outside the mask is non-zero or 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import threading
 
 import torch
 
 from .policy import RowPolicy, active_first_permutation, keep_mask
+from .traced_state import TracedContextVar
 
 __all__ = ["RowPlan", "row_plan"]
 
-_ROW_PLAN = contextvars.ContextVar("sebp_row_plan", default=None)
-
-
-class _TracedView(threading.local):
-    """The active plan of this thread, as code under ``torch.compile`` reads it.
-
-    Dynamo cannot call ``ContextVar.get`` (a graph break), but it reads an attribute of a
-    ``threading.local`` and guards on it, per thread: a step under another plan (a new mask
-    tensor) reuses the compiled graph with the mask as its input, a step without a plan runs the
-    graph traced without one. :func:`row_plan` sets both; eager code reads the ``ContextVar``
-    alone. (Unlike the ``ContextVar``, the view is not copied into asyncio tasks or
-    ``contextvars.copy_context``.)
-    """
-
-    def __init__(self) -> None:
-        self.plan: RowPlan | None = None
-
-
-_TRACED_VIEW = _TracedView()
+# The active plan, read by traced code too (see sebp_torch_ref.traced_state).
+_ROW_PLAN = TracedContextVar("sebp_row_plan", default=None)
 
 
 class RowPlan:
@@ -128,18 +110,13 @@ def row_plan(mask: torch.Tensor, *, check: bool = False):
                          f"{tuple(mask.shape)}.")
     if not isinstance(check, bool):
         raise TypeError(f"row_plan: `check` must be a bool, got {check!r}.")
-    plan, outer = RowPlan(mask, check), _TRACED_VIEW.plan
-    token = _ROW_PLAN.set(plan)
-    _TRACED_VIEW.plan = plan
-    try:
+    plan = RowPlan(mask, check)
+    with _ROW_PLAN.bound(lambda _: plan):
         yield plan
-    finally:
-        _ROW_PLAN.reset(token)
-        _TRACED_VIEW.plan = outer
 
 
 def current_plan(x: torch.Tensor, traced: bool = False) -> RowPlan | None:
     """The active plan if it applies to the layer input ``x``, else ``None``; ``traced``: read as
-    code under ``torch.compile`` must (see :class:`_TracedView`)."""
-    plan = _TRACED_VIEW.plan if traced else _ROW_PLAN.get()
+    code under ``torch.compile`` must (:mod:`sebp_torch_ref.traced_state`)."""
+    plan = _ROW_PLAN.get(traced)
     return plan if plan is not None and plan.applies_to(x) else None
