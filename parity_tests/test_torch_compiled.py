@@ -142,7 +142,8 @@ def _graph_ops(graphs):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_graph_with_the_sebp_backward_op(impl):
-    """No graph break, planned or not, and the SEBP backward op inside the compiled backward."""
+    """No graph break, planned or not; the forward traced into the graph's own ops (the layer's
+    ``triton_op`` has none of its own), the SEBP backward op inside the compiled backward."""
     _skip_unavailable(impl)
     torch._dynamo.reset()
     x, dy, mask = _case("padded")
@@ -157,7 +158,8 @@ def test_one_graph_with_the_sebp_backward_op(impl):
     with row_plan(mask):
         compiled(x.requires_grad_()).backward(dy)
     assert len(graphs["forward"]) == len(graphs["backward"]) == 1
-    assert "sebp_torch_ref.linear.default" in graphs["forward"][0]
+    assert not any(op.startswith("sebp_torch_ref") for op in graphs["forward"][0])
+    assert {"aten.addmm.default", "aten.mm.default"} <= graphs["forward"][0]
     assert "sebp_torch_ref.linear_backward.default" in graphs["backward"][0]
 
 
@@ -246,6 +248,30 @@ def test_graph_permutation_is_the_eager_one(rows, density):
     for got, want in zip(_active_first(keep), active_first_permutation(keep)):
         assert got.dtype == want.dtype == torch.int32
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (Triton compiled)")
+@pytest.mark.parametrize("scenario", ["plan", "plan_drops"])
+def test_inductor_launches_the_planned_triton_gemms(scenario):
+    """On CUDA a planned layer's compiled backward is the ``triton_op``: Inductor's code launches
+    the GEMM kernel itself, with no call of the custom op, and the gradients are eager SEBP's and
+    dense autograd's (of ``dY * mask`` for ``plan_drops``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    x, dy, mask = (t.cuda() for t in _case(scenario))
+    dense, sebp = (model.cuda() for model in _models("triton"))
+    compiled = torch.compile(copy.deepcopy(sebp), backend="inductor", fullgraph=True)
+    want = _grads(dense, x, dy * mask[..., None], contextlib.nullcontext)
+    eager = _grads(sebp, x, dy, lambda: row_plan(mask))
+    got, code = run_and_get_code(_grads, compiled, x, dy, lambda: row_plan(mask))
+    backward_code = code[-1]
+    assert "_grads_kernel" in backward_code
+    assert "linear_backward" not in backward_code  # neither op: the kernel is launched inline
+    for name in want:
+        torch.testing.assert_close(got[name], eager[name], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.skipif(INTERPRET, reason="this is the launcher")

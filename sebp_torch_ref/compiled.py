@@ -1,24 +1,35 @@
-"""``sebp_linear`` inside ``torch.compile`` graphs: a custom op with a registered autograd.
+"""``sebp_linear`` inside ``torch.compile`` graphs: ops with a registered autograd.
 
 Dynamo cannot trace the ``autograd.Function`` of the eager path through its backends (Triton
 launches, a host read of ``count``), and a graph break per layer cut a compiled LLaMA-3.2-3B into
 ~200 graphs whose host time outweighed SEBP's gain at small batches (``benchmarks/NOTES_torch.md``,
-"v22b"). Two functional custom ops keep the layer in one graph instead:
+"v22b"). Functional ops keep the layer in one graph instead:
 
 * ``sebp_torch_ref::linear(x, weight, bias?, plan_keep?, plan_perm?, plan_count?, threshold,
-  max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``. Its registered
-  autograd saves what the backward reads, so AOTAutograd puts
+  max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``, a
+  :func:`torch.library.triton_op` with no kernel of its own, so that AOTAutograd traces its body
+  into the graph (the forward is the ``addmm`` that dense's is, fused and launched by Inductor
+  the same way, with no Python dispatch per layer) while its registered autograd saves what the
+  backward reads and puts
 * ``sebp_torch_ref::linear_backward(dy, x?, weight?, plan_keep?, plan_perm?, plan_count?,
   threshold, max_rows?, impl, check, name, bias_dtype?) -> Tensor[]``: the gradients asked for
   (``dX`` if ``weight`` is given, ``dW`` if ``x`` is, ``db`` if ``bias_dtype`` is, in that order),
   computed by :func:`~sebp_torch_ref.grads.linear_grads`, the eager path's backends,
 
-into the compiled backward graph, which Inductor calls as opaque kernels. Custom ops take tensors,
-numbers, strings and dtypes only, so the :class:`~sebp_torch_ref.policy.RowPolicy` travels as its
-fields and a row plan as tensors: its mask's rows ``plan_keep`` and their active-first
-permutation, made by the graph from the mask (one computation that the CSE of Inductor's
-partitioner shares between the layers), so a new mask per step reuses the compiled graph. Eager calls keep the
-``autograd.Function``: a custom op costs host time per call that a compiled graph does not pay.
+into the compiled backward graph as a custom op, which Inductor calls as an opaque kernel: per
+layer a Python call, a plan object and Triton's ``JITFunction.run``. A planned layer on CUDA with
+``impl="triton"`` calls ``sebp_torch_ref::linear_backward_triton`` instead, the same signature and
+gradients as a ``triton_op``: Inductor traces its body and launches the Triton GEMM kernel from
+the compiled graph's own code, as it launches its own kernels (BERT-base's compiled step waited
+on the custom op's host work: ``benchmarks/NOTES_torch.md``, "v23"). The other cases stay on the
+custom op: the unplanned select and compact launches, the ``torch`` backend's host read of
+``count``, a plan's ``check`` (a host read), and the Triton interpreter (which ``triton_op``
+tracing cannot run). The ops take tensors, numbers, strings and dtypes only, so the
+:class:`~sebp_torch_ref.policy.RowPolicy` travels as its fields and a row plan as tensors: its
+mask's rows ``plan_keep`` and their active-first permutation, made by the graph from the mask
+(one computation that the CSE of Inductor's partitioner shares between the layers), so a new mask
+per step reuses the compiled graph. Eager calls keep the ``autograd.Function``: an op costs host
+time per call that a compiled graph does not pay.
 """
 
 from __future__ import annotations
@@ -57,18 +68,13 @@ def _active_first(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, keep.sum(dtype=torch.int32).reshape(1)
 
 
-@torch.library.custom_op("sebp_torch_ref::linear", mutates_args=())
+@torch.library.triton_op("sebp_torch_ref::linear", mutates_args=())
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan_keep: torch.Tensor | None,
     plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
     max_rows: int | None, impl: str, check: bool, name: str | None,
 ) -> torch.Tensor:
     return F.linear(x, weight, bias)
-
-
-@_linear.register_fake
-def _(x, weight, bias, plan_keep, plan_perm, plan_count, threshold, max_rows, impl, check, name):
-    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -83,8 +89,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy):
     x, weight, keep, perm, count = ctx.saved_tensors
-    grads = iter(torch.ops.sebp_torch_ref.linear_backward(
-        dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype))
+    op = _backward_op(dy, keep, *ctx.options)
+    grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype))
     # The op returns the gradients asked for, in order; the other inputs get None.
     dx, dw, db = (next(grads) if asked else None for asked in (weight is not None, x is not None,
                                                               ctx.bias_dtype is not None))
@@ -94,15 +100,47 @@ def _backward(ctx, dy):
 _linear.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _backward_op(dy, keep, threshold, max_rows, impl, check, name):
+    """The op of a layer's backward: the ``triton_op`` where Inductor can launch the planned
+    Triton GEMMs itself (see the module's docstring), else the custom op."""
+    if impl == "triton" and keep is not None and not check and dy.is_cuda:
+        from . import kernels  # Triton is needed only here (and may be absent elsewhere).
+
+        if not kernels.interpreter_enabled():
+            return torch.ops.sebp_torch_ref.linear_backward_triton
+    return torch.ops.sebp_torch_ref.linear_backward
+
+
+def _linear_grads(
+    dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
+    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
+    max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
+    traceable: bool = False,
+) -> list[torch.Tensor]:
+    plan = None if plan_keep is None else RowPlan(plan_keep, check, rows=(plan_perm, plan_count))
+    grads = linear_grads(dy, x, weight, bias_dtype, RowPolicy(threshold, max_rows), impl, plan, name,
+                         traceable=traceable)
+    return [g for g in grads if g is not None]
+
+
 @torch.library.custom_op("sebp_torch_ref::linear_backward", mutates_args=())
 def _linear_backward(
     dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
     plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
     max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
-    plan = None if plan_keep is None else RowPlan(plan_keep, check, rows=(plan_perm, plan_count))
-    grads = linear_grads(dy, x, weight, bias_dtype, RowPolicy(threshold, max_rows), impl, plan, name)
-    return [g for g in grads if g is not None]
+    return _linear_grads(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl,
+                         check, name, bias_dtype)
+
+
+@torch.library.triton_op("sebp_torch_ref::linear_backward_triton", mutates_args=())
+def _linear_backward_triton(
+    dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
+    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
+    max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
+    return _linear_grads(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl,
+                         check, name, bias_dtype, traceable=True)
 
 
 @_linear_backward.register_fake

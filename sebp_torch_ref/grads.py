@@ -14,7 +14,7 @@ __all__ = ["linear_grads"]
 
 def linear_grads(
     dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, bias_dtype: torch.dtype | None,
-    policy: RowPolicy, impl: str, plan: RowPlan | None, name: str | None,
+    policy: RowPolicy, impl: str, plan: RowPlan | None, name: str | None, traceable: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dX, dW, db)`` of ``Y = X W^T + b`` on 2-D ``X``, each only where asked for.
 
@@ -27,6 +27,8 @@ def linear_grads(
         impl: ``"triton"``, ``"torch"`` or ``"dense"`` (resolved: not ``"auto"``).
         plan: the layer's row plan, or ``None``.
         name: the layer's name in the plan's errors.
+        traceable: the planned Triton GEMMs launched for a ``triton_op``'s body
+            (:func:`~sebp_torch_ref.kernels.sebp_gemms`'s ``traceable``).
     """
     need_x, need_w, need_b = weight is not None, x is not None, bias_dtype is not None
     if plan is not None and plan.check:
@@ -49,7 +51,7 @@ def linear_grads(
             # The plan's rows, read in place through its permutation: one GEMM launch.
             dx, dw, db = kernels.sebp_gemms(
                 dy, weight, x, *plan.rows("triton"), dy.dtype,
-                compacted=False, bias_dtype=bias_dtype if fused_db else None,
+                compacted=False, bias_dtype=bias_dtype if fused_db else None, traceable=traceable,
             )
         if need_b and not fused_db:
             db = _planned_bias_grad(dy, plan, bias_dtype)

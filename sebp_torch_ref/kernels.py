@@ -642,6 +642,7 @@ def sebp_gemms(
     compacted: bool,
     bias_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    traceable: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero), ``dW = (dY * keep[:, None])^T @ X``
     (a sum over the kept rows only) and, with ``bias_dtype``, ``db = sum(dY * keep[:, None])``,
@@ -660,6 +661,9 @@ def sebp_gemms(
         compacted: whether ``dy`` and ``x`` are the compacted copies.
         bias_dtype: ``db``'s dtype, or ``None`` for no ``db``; needs ``x`` (dW's programs sum it).
         config: :func:`default_config`'s form; ``None`` takes the default.
+        traceable: launch through :func:`torch.library.wrap_triton`, for the body of a
+            :func:`torch.library.triton_op` (:mod:`~sebp_torch_ref.compiled`): traced, the launch
+            becomes a node that Inductor launches itself (eagerly, the same launch).
 
     Returns:
         ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``out_dtype`` and ``db`` ``(N,)``
@@ -686,7 +690,8 @@ def sebp_gemms(
         arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
-    _grads_kernel[plan.grid](
+    launch = torch.library.wrap_triton(_grads_kernel) if traceable else _grads_kernel
+    launch[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
         count if db is None else db, db_partial, M, N, K, plan.dw_programs,
