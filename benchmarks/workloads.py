@@ -71,6 +71,9 @@ Measurement
     ``torch.cuda.max_memory_allocated`` after a reset per workload. ``None`` on CPU.
   * ``compile_count``: traces of the jitted step (a Python counter in the traced function) that
     the workload's batches needed: new ones plus the shapes an earlier workload had compiled.
+  * ``compile_s``: JAX, the seconds those traces and compilations took; torch (``*-compiled``
+    variants), the warm-up steps' time beyond as many median steps (their first step traces and
+    compiles, and Inductor's caches may already hold part of it); ``None`` without warm-up.
   * ``active_fraction``: real tokens over padded tokens: the fraction of linear-layer rows whose
     output gradient is not zero.
 
@@ -866,7 +869,7 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
           timed = _graphed_marks(graphed, clock, device_batches, dense_steps)
         else:
           timed = _torch_marks(model, optimizer, clock, variant, device_batches, dense_steps)
-        timed = timed[settings.warmup:]
+        warm, timed = timed[:settings.warmup], timed[settings.warmup:]
         if device == "cuda":
           torch.cuda.synchronize()
           row.peak_mem_bytes = torch.cuda.max_memory_allocated()
@@ -875,6 +878,8 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
         row.bwd_ms, row.bwd_spread = _median(backward), _spread(backward)
         row.opt_ms = _median([clock.ms(t2, t3) for _, _, t2, t3 in timed])
         row.step_ms = _median([clock.ms(t0, t3) for t0, _, _, t3 in timed])
+        if variant.compiled and warm:
+          row.compile_s = sum(clock.ms(t0, t3) - row.step_ms for t0, _, _, t3 in warm) / 1e3
       except Exception as e:  # recorded; the next workload runs
         row.error = _error_text(e)
         optimizer.zero_grad(set_to_none=True)
@@ -938,6 +943,7 @@ def _worker(spec: ModelSpec, variant: Variant, settings: Settings, out: pathlib.
       rows.append(item)
       print(f"  {item.variant} {item.workload} b{item.batch}: step {_fmt(item.step_ms)} ms, "
             f"fwd {_fmt(item.fwd_ms)} ms, compiles {_fmt(item.compile_count, 'd')}"
+            + (f", compile {item.compile_s:.1f} s" if item.compile_s is not None else "")
             + (f", {item.error}" if item.error else ""), flush=True)
     else:
       environment = item
