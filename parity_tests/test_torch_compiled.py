@@ -250,6 +250,30 @@ def test_graph_permutation_is_the_eager_one(rows, density):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("impl, planned, check, device, want", [
+    ("triton", True, False, "cuda", "linear_backward_triton"),
+    ("triton", True, True, "cuda", "linear_backward"),  # check reads dY on the host
+    ("triton", False, False, "cuda", "linear_backward"),  # the unplanned select and compact
+    ("triton", True, False, "cpu", "linear_backward"),
+    ("torch", True, False, "cuda", "linear_backward"),  # reads count on the host
+])
+def test_backward_op_choice(impl, planned, check, device, want):
+    """Which op a compiled layer's backward calls: the ``triton_op`` that Inductor launches only
+    for a planned, unchecked Triton layer on CUDA (CUDA tensors faked: no GPU needed)."""
+    if INTERPRET:
+        pytest.skip("under the interpreter every layer takes the custom op (the module's docstring)")
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sebp_torch_ref.compiled import _backward_op
+
+    with FakeTensorMode():
+        dy = torch.empty(6, 5, device=device)
+        keep = torch.ones(6, dtype=torch.bool, device=device) if planned else None
+    op = _backward_op(dy, keep, 0.0, None, impl, check, "layer")
+    assert op is getattr(torch.ops.sebp_torch_ref, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (Triton compiled)")
 @pytest.mark.parametrize("scenario", ["plan", "plan_drops"])
