@@ -595,12 +595,20 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
     weight = torch.randn(out_features, IN_FEATURES, generator=gen).to(device, dtype)
     dy = dy.to(device, dtype)
     perm, count = kernels.permutation_of(keep.to(device))
-    shape = (rows, out_features, IN_FEATURES, dtype, True, True, True, True, dy.device)
+    shape = (rows, out_features, IN_FEATURES, dtype, True, True, True, True, False, dy.device)
     assert split in (None, kernels._default_gemm_plan(*shape).split > 1) and int(count) == int(keep.sum())
     dx, dw, db = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False, bias_dtype=dtype)
     expected = reference_grads(x.cpu(), weight.cpu(), True, dy.cpu(), keep, masked_db=True)
     for got, want in zip((dx, dw, db), expected):
         assert_grad_close(got.cpu(), want, dtype)
+    # dX in the plan's order (what compiled graphs gather): the same rows, bit for bit, and a zero
+    # row that every dropped row reads.
+    slotted, dw_slots, _ = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False,
+                                              bias_dtype=dtype, dx_slots=True)
+    assert slotted.shape == (rows + 1, IN_FEATURES) and not slotted[rows].any()
+    places = torch.where(keep, keep.cumsum(0) - 1, rows).to(device)
+    torch.testing.assert_close(slotted[places], dx, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dw_slots, dw, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="`bias_dtype` needs `x`"):
         kernels.sebp_gemms(dy, weight, None, perm, count, dtype, compacted=False, bias_dtype=dtype)
 

@@ -5,16 +5,16 @@ launches, a host read of ``count``), and a graph break per layer cut a compiled 
 ~200 graphs whose host time outweighed SEBP's gain at small batches (``benchmarks/NOTES_torch.md``,
 "v22b"). Functional ops keep the layer in one graph instead:
 
-* ``sebp_torch_ref::linear(x, weight, bias?, plan_keep?, plan_perm?, plan_count?, threshold,
-  max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``, a
+* ``sebp_torch_ref::linear(x, weight, bias?, plan_keep?, plan_perm?, plan_count?, plan_pos?,
+  threshold, max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``, a
   :func:`torch.library.triton_op` with no kernel of its own, so that AOTAutograd traces its body
   into the graph (the forward is the ``addmm`` that dense's is, fused and launched by Inductor
   the same way, with no Python dispatch per layer) while its registered autograd saves what the
   backward reads and puts
 * ``sebp_torch_ref::linear_backward(dy, x?, weight?, plan_keep?, plan_perm?, plan_count?,
-  threshold, max_rows?, impl, check, name, bias_dtype?) -> Tensor[]``: the gradients asked for
-  (``dX`` if ``weight`` is given, ``dW`` if ``x`` is, ``db`` if ``bias_dtype`` is, in that order),
-  computed by :func:`~sebp_torch_ref.grads.linear_grads`, the eager path's backends,
+  threshold, max_rows?, impl, check, name, bias_dtype?, dx_slots) -> Tensor[]``: the gradients
+  asked for (``dX`` if ``weight`` is given, ``dW`` if ``x`` is, ``db`` if ``bias_dtype`` is, in
+  that order), computed by :func:`~sebp_torch_ref.grads.linear_grads`, the eager path's backends,
 
 into the compiled backward graph as a custom op, which Inductor calls as an opaque kernel: per
 layer a Python call, a plan object and Triton's ``JITFunction.run``. A planned layer on CUDA with
@@ -24,7 +24,11 @@ the compiled graph's own code, as it launches its own kernels (BERT-base's compi
 on the custom op's host work: ``benchmarks/NOTES_torch.md``, "v23"). The other cases stay on the
 custom op: the unplanned select and compact launches, the ``torch`` backend's host read of
 ``count``, a plan's ``check`` (a host read), and the Triton interpreter (which ``triton_op``
-tracing cannot run). The ops take tensors, numbers, strings and dtypes only, so the
+tracing cannot run). A planned Triton layer's ``dX`` comes from either op in the plan's order
+(``dx_slots``: only the kept rows written, and a zero row), and the backward puts it in place by a
+gather, ``dx[plan_pos]``, that Inductor fuses into ``dX``'s consumers, so the dropped rows' zeros
+are neither written nor read back, as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
+The ops take tensors, numbers, strings and dtypes only, so the
 :class:`~sebp_torch_ref.policy.RowPolicy` travels as its fields and a row plan as tensors: its
 mask's rows ``plan_keep`` and their active-first permutation, made by the graph from the mask
 (one computation that the CSE of Inductor's partitioner shares between the layers), so a new mask
@@ -50,12 +54,13 @@ def linear(
 ) -> torch.Tensor:
     """``sebp_torch_ref::linear`` on 2-D ``x`` with :func:`~sebp_torch_ref.sebp_linear`'s checked
     and resolved arguments (``impl`` not ``"auto"``); called by traced code."""
-    keep = perm = count = None
+    keep = perm = count = pos = None
     if plan is not None:
         keep = plan.mask.reshape(-1) != 0
         perm, count = _active_first(keep)
+        pos = _places(keep)
     return torch.ops.sebp_torch_ref.linear(
-        x, weight, bias, keep, perm, count, policy.threshold, policy.max_rows, impl,
+        x, weight, bias, keep, perm, count, pos, policy.threshold, policy.max_rows, impl,
         plan is not None and plan.check, name,
     )
 
@@ -68,33 +73,45 @@ def _active_first(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, keep.sum(dtype=torch.int32).reshape(1)
 
 
+def _places(keep: torch.Tensor) -> torch.Tensor:
+    """Each row's place in :func:`_active_first`'s permutation if kept (kept rows come first, in
+    row order), else ``len(keep)``: the row of a ``dx_slots`` dX that a dropped row reads (zeros)."""
+    return torch.where(keep, keep.cumsum(0) - 1, keep.numel())
+
+
 @torch.library.triton_op("sebp_torch_ref::linear", mutates_args=())
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan_keep: torch.Tensor | None,
-    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
-    max_rows: int | None, impl: str, check: bool, name: str | None,
+    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, plan_pos: torch.Tensor | None,
+    threshold: float, max_rows: int | None, impl: str, check: bool, name: str | None,
 ) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, keep, perm, count, threshold, max_rows, impl, check, name = inputs
+    x, weight, bias, keep, perm, count, pos, threshold, max_rows, impl, check, name = inputs
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     # dX needs only W and dW only X: save nothing the backward will not read (frozen weights).
-    ctx.save_for_backward(x if need_w else None, weight if need_x else None, keep, perm, count)
+    ctx.save_for_backward(x if need_w else None, weight if need_x else None, keep, perm, count, pos)
     ctx.options = threshold, max_rows, impl, check, name
     ctx.dtype = x.dtype
     ctx.bias_dtype = bias.dtype if need_b else None
 
 
 def _backward(ctx, dy):
-    x, weight, keep, perm, count = ctx.saved_tensors
+    x, weight, keep, perm, count, pos = ctx.saved_tensors
     op = _backward_op(dy, keep, *ctx.options)
-    grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype))
+    # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
+    # and Inductor fuses it into dX's consumers (kernels.sebp_gemms's `dx_slots`).
+    dx_slots = ctx.options[2] == "triton" and keep is not None
+    grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype,
+                    dx_slots))
     # The op returns the gradients asked for, in order; the other inputs get None.
     dx, dw, db = (next(grads) if asked else None for asked in (weight is not None, x is not None,
                                                               ctx.bias_dtype is not None))
-    return dx, dw, db, None, None, None, None, None, None, None, None
+    if dx is not None and dx_slots:
+        dx = dx[pos]
+    return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 _linear.register_autograd(_backward, setup_context=_setup_context)
@@ -111,43 +128,34 @@ def _backward_op(dy, keep, threshold, max_rows, impl, check, name):
     return torch.ops.sebp_torch_ref.linear_backward
 
 
-def _linear_grads(
-    dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
-    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
-    max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
-    traceable: bool = False,
-) -> list[torch.Tensor]:
-    plan = None if plan_keep is None else RowPlan(plan_keep, check, rows=(plan_perm, plan_count))
-    grads = linear_grads(dy, x, weight, bias_dtype, RowPolicy(threshold, max_rows), impl, plan, name,
-                         traceable=traceable)
-    return [g for g in grads if g is not None]
+def _grads_op(traceable: bool):
+    """The body of both backward ops (one signature, from which each op's schema is read);
+    ``traceable``: the ``triton_op``'s, whose launch Inductor traces."""
+
+    def linear_backward(
+        dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+        plan_keep: torch.Tensor | None, plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None,
+        threshold: float, max_rows: int | None, impl: str, check: bool, name: str | None,
+        bias_dtype: torch.dtype | None, dx_slots: bool,
+    ) -> list[torch.Tensor]:
+        plan = None if plan_keep is None else RowPlan(plan_keep, check, rows=(plan_perm, plan_count))
+        grads = linear_grads(dy, x, weight, bias_dtype, RowPolicy(threshold, max_rows), impl, plan, name,
+                             traceable=traceable, dx_slots=dx_slots)
+        return [g for g in grads if g is not None]
+
+    return linear_backward
 
 
-@torch.library.custom_op("sebp_torch_ref::linear_backward", mutates_args=())
-def _linear_backward(
-    dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
-    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
-    max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
-) -> list[torch.Tensor]:
-    return _linear_grads(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl,
-                         check, name, bias_dtype)
-
-
-@torch.library.triton_op("sebp_torch_ref::linear_backward_triton", mutates_args=())
-def _linear_backward_triton(
-    dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, plan_keep: torch.Tensor | None,
-    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
-    max_rows: int | None, impl: str, check: bool, name: str | None, bias_dtype: torch.dtype | None,
-) -> list[torch.Tensor]:
-    return _linear_grads(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl,
-                         check, name, bias_dtype, traceable=True)
+_linear_backward = torch.library.custom_op("sebp_torch_ref::linear_backward", mutates_args=())(_grads_op(False))
+torch.library.triton_op("sebp_torch_ref::linear_backward_triton", mutates_args=())(_grads_op(True))
 
 
 @_linear_backward.register_fake
-def _(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl, check, name, bias_dtype):
+def _(dy, x, weight, plan_keep, plan_perm, plan_count, threshold, max_rows, impl, check, name, bias_dtype,
+      dx_slots):
     grads = []
     if weight is not None:
-        grads.append(dy.new_empty(dy.shape[0], weight.shape[1]))
+        grads.append(dy.new_empty(dy.shape[0] + int(dx_slots), weight.shape[1]))
     if x is not None:
         grads.append(dy.new_empty(dy.shape[1], x.shape[1]))
     if bias_dtype is not None:

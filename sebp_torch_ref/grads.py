@@ -15,6 +15,7 @@ __all__ = ["linear_grads"]
 def linear_grads(
     dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, bias_dtype: torch.dtype | None,
     policy: RowPolicy, impl: str, plan: RowPlan | None, name: str | None, traceable: bool = False,
+    dx_slots: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dX, dW, db)`` of ``Y = X W^T + b`` on 2-D ``X``, each only where asked for.
 
@@ -29,8 +30,13 @@ def linear_grads(
         name: the layer's name in the plan's errors.
         traceable: the planned Triton GEMMs launched for a ``triton_op``'s body
             (:func:`~sebp_torch_ref.kernels.sebp_gemms`'s ``traceable``).
+        dx_slots: a planned Triton layer's ``dX`` in the plan's order, ``(M + 1, K)``
+            (:func:`~sebp_torch_ref.kernels.sebp_gemms`'s ``dx_slots``); needs ``plan`` and
+            ``impl="triton"``.
     """
     need_x, need_w, need_b = weight is not None, x is not None, bias_dtype is not None
+    if dx_slots and (plan is None or impl != "triton"):
+        raise ValueError("linear_grads: `dx_slots` needs a row plan and impl='triton'.")
     if plan is not None and plan.check:
         plan.check_covers(dy, name)
     if impl == "triton":
@@ -52,6 +58,7 @@ def linear_grads(
             dx, dw, db = kernels.sebp_gemms(
                 dy, weight, x, *plan.rows("triton"), dy.dtype,
                 compacted=False, bias_dtype=bias_dtype if fused_db else None, traceable=traceable,
+                dx_slots=dx_slots,
             )
         if need_b and not fused_db:
             db = _planned_bias_grad(dy, plan, bias_dtype)

@@ -242,16 +242,20 @@ def _dx_tile(
     pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
-    perm[slot] of dX; zeros for the slots past ``count`` (dropped rows)."""
+    perm[slot] of dX, zeros for the slots past ``count`` (dropped rows); with ``DX_SLOTS``, the
+    kept slots' rows stored at rows ``slot`` (dX in the plan's order), nothing else."""
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
     pid_m = pid // tiles_k
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
+    if DX_SLOTS:
+        rows = slots.to(tl.int64)
+    else:
+        rows = tl.load(perm_ptr + slots, mask=slots < M, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if pid_m * BLOCK_M < count:
         kept = slots < count
@@ -268,11 +272,11 @@ def _dx_tile(
                 dy, w = dy.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
     # Slots in [count, M) hold dropped rows: their accumulator stayed zero.
-    tl.store(
-        dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
-        acc.to(dx_ptr.dtype.element_ty),
-        mask=(slots[:, None] < M) & (cols[None, :] < K),
-    )
+    in_dx = (slots[:, None] < M) & (cols[None, :] < K)
+    if DX_SLOTS:
+        in_dx = in_dx & (slots[:, None] < count)  # only kept rows: dropped rows read row M
+    tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
+             acc.to(dx_ptr.dtype.element_ty), mask=in_dx)
 
 
 @triton.jit
@@ -376,7 +380,7 @@ def _grads_kernel(
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
-    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
 ):
     """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start; with
     ``WITH_DB`` some also sum db), then dX's. One launch, so that with few kept rows the two
@@ -397,7 +401,7 @@ def _grads_kernel(
             _dx_tile(
                 dx_pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
                 stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
-                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST,
+                DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST, DX_SLOTS,
             )
 
 
@@ -521,7 +525,7 @@ class _GemmPlan:
     gemm: dict  # constexprs and launch options of _grads_kernel
 
 
-def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device, config) -> _GemmPlan:
+def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device, config) -> _GemmPlan:
     dx_tile, dw_tile = config["dx"], config["dw"]
     dx_programs = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"]) if do_dx else 0
     dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
@@ -530,15 +534,16 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device, conf
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, **_dot_options(dtype), **config["launch"],
+        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, DX_SLOTS=dx_slots,
+        **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dw_tiles, split, gemm)
 
 
 @functools.lru_cache(maxsize=None)
-def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device) -> _GemmPlan:
+def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device) -> _GemmPlan:
     """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
-    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, device,
+    return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device,
                             default_config(dtype, K, _INTERPRET))
 
 
@@ -643,6 +648,7 @@ def sebp_gemms(
     bias_dtype: torch.dtype | None = None,
     config: dict | None = None,
     traceable: bool = False,
+    dx_slots: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero), ``dW = (dY * keep[:, None])^T @ X``
     (a sum over the kept rows only) and, with ``bias_dtype``, ``db = sum(dY * keep[:, None])``,
@@ -664,10 +670,16 @@ def sebp_gemms(
         traceable: launch through :func:`torch.library.wrap_triton`, for the body of a
             :func:`torch.library.triton_op` (:mod:`~sebp_torch_ref.compiled`): traced, the launch
             becomes a node that Inductor launches itself (eagerly, the same launch).
+        dx_slots: return dX in the plan's order, ``(M + 1, K)``: row ``i < count`` is the dX row of
+            ``perm[i]``, row ``M`` is zeros, the rows between are never written. ``dx[pos]``, with
+            ``pos`` a kept row's place in ``perm`` and ``M`` for a dropped row, is dX; a compiled
+            graph fuses that gather into dX's consumers, so the dropped rows' zeros are neither
+            written nor read back (the JAX backward's "v21", ``benchmarks/NOTES.md``).
 
     Returns:
-        ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``out_dtype`` and ``db`` ``(N,)``
-        in ``bias_dtype`` (accumulated in float32), each ``None`` where not asked for.
+        ``dX`` ``(M, K)`` (``dx_slots``: ``(M + 1, K)``) in ``dy``'s dtype, ``dW`` ``(N, K)`` in
+        ``out_dtype`` and ``db`` ``(N,)`` in ``bias_dtype`` (accumulated in float32), each ``None``
+        where not asked for.
     """
     check_device(*(t for t in (dy, weight, x, perm, count) if t is not None))
     if bias_dtype is not None and x is None:
@@ -675,14 +687,17 @@ def sebp_gemms(
     M, N = dy.shape
     K = (weight if weight is not None else x).shape[1]
     device = dy.device
-    dx = None if weight is None else torch.empty((M, K), dtype=dy.dtype, device=device)
+    dx = None if weight is None else torch.empty((M + int(dx_slots), K), dtype=dy.dtype, device=device)
     dw = None if x is None else torch.empty((N, K), dtype=out_dtype, device=device)
     db = None if bias_dtype is None else torch.empty(N, dtype=bias_dtype, device=device)
     if M * N * K == 0:
         if db is not None and M * N:  # no in-features: no dW programs to sum db (a K = 0 layer)
             raise ValueError("sebp_gemms: `bias_dtype` needs in-features (K > 0).")
         return tuple(None if t is None else t.zero_() for t in (dx, dw, db))
-    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted, device)
+    if dx_slots and dx is not None:
+        dx[M].zero_()  # the row every dropped row reads
+    shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
+             dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
     partial = arrivals = db_partial = count
     if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices

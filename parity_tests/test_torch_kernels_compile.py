@@ -1,0 +1,108 @@
+"""Every launch configuration of the reference's Triton kernels compiles for an sm_90 GPU, on CPU.
+
+The interpreter (the other CPU tests) runs the kernels' Python, not Triton's compiler, so a
+configuration that the compiler rejects (a constexpr branch, a mask of the wrong type, a shape
+``tl.dot`` refuses) would otherwise first fail on a GPU. ``triton.compile`` lowers an
+``ASTSource`` for a ``GPUTarget`` through Triton IR to PTX and a cubin without a GPU or a driver.
+The configurations are the ones the launch plans of :mod:`sebp_torch_ref.kernels` build (their
+constexprs and launch options), for both GEMM operand widths.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from parity_tests.triton_interpreter import INTERPRET
+
+pytestmark = [
+  pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the kernels that Triton compiles"),
+]
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
+_POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def _compile(kernel, constants: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> None:
+  """Compiles ``kernel`` with ``constants`` (constexprs and launch options); every other argument
+  is a pointer typed by ``pointers`` (by name) or an int32, or a float32 where named in ``floats``."""
+  options = {k: constants[k] for k in _LAUNCH_OPTIONS if k in constants}
+  constexprs = {k: v for k, v in constants.items() if k not in _LAUNCH_OPTIONS}
+  missing = [n for n in kernel.arg_names if n.endswith("_ptr") and n not in pointers]
+  assert not missing, missing  # an untyped pointer would be compiled as an int
+  signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+               for n in kernel.arg_names}
+  source = ASTSource(fn=kernel, signature=signature,
+                     constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+  compiled = triton.compile(source, target=TARGET, options=options)
+  assert compiled.asm["ptx"] and compiled.asm["cubin"]
+
+
+# (DO_DX, DO_DW, WITH_DB): db is summed by dW's programs only.
+_PRODUCTS = [(True, True, True), (True, True, False), (True, False, False), (False, True, True),
+             (False, True, False)]
+# (GATHER, DX_SLOTS): planned (rows read through perm; dX in place or in the plan's order), or
+# the unplanned compacted copies.
+_ROWS = [(True, False), (True, True), (False, False)]
+
+
+def _grads_cases():
+  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split in itertools.product(
+      _POINTER, _PRODUCTS, _ROWS, (1, 3)):
+    if (split > 1 and not do_dw) or (dx_slots and not do_dx):
+      continue  # the same program as split 1 / without slots
+    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split,
+                       id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}-split{split}")
+
+
+@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split", list(_grads_cases()))
+def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split):
+  from sebp_torch_ref import kernels
+
+  monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
+  M, N, K = 300, 3072, 768  # BERT-base's FFN down: dX on the narrow tile
+  plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
+                                  torch.device("cuda"), kernels.default_config(dtype, K))
+  assert plan.split == (split if do_dw else 1)
+  pointer = _POINTER[dtype]
+  _compile(kernels._grads_kernel, plan.gemm, dict(
+    dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
+    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", db_partial_ptr="*fp32"))
+
+
+@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+@pytest.mark.parametrize("keep_given, with_db", [(False, False), (False, True), (True, False)])
+def test_select_kernel_compiles(dtype, keep_given, with_db):
+  from sebp_torch_ref import kernels
+
+  plan = kernels._select_plan(4096)
+  _compile(kernels._select_kernel, dict(plan.select, KEEP_GIVEN=keep_given, WITH_DB=with_db),
+           dict(dy_ptr=_POINTER[dtype], keep_ptr="*i8", block_counts_ptr="*i32", db_partial_ptr="*fp32"),
+           floats=("threshold",))
+
+
+@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+@pytest.mark.parametrize("copy_dy, copy_x, with_db", [(False, False, False), (True, True, True),
+                                                     (True, False, True), (True, True, False)])
+def test_compact_kernel_compiles(dtype, copy_dy, copy_x, with_db):
+  from sebp_torch_ref import kernels
+
+  plan = kernels._select_plan(4096)
+  pointer = _POINTER[dtype]
+  _compile(kernels._compact_kernel, dict(plan.compact, COPY_DY=copy_dy, COPY_X=copy_x, WITH_DB=with_db),
+           dict(keep_ptr="*i8", block_counts_ptr="*i32", perm_ptr="*i32", count_ptr="*i32", dy_ptr=pointer,
+                x_ptr=pointer, dy_kept_ptr=pointer, x_kept_ptr=pointer, db_partial_ptr="*fp32", db_ptr=pointer))
+
+
+@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+def test_rank_key_kernel_compiles(dtype):
+  from sebp_torch_ref import kernels
+
+  _compile(kernels._rank_key_kernel, dict(kernels._select_plan(4096).select),
+           dict(dy_ptr=_POINTER[dtype], key_ptr="*fp32"), floats=("threshold",))
