@@ -103,7 +103,8 @@ def _backward(ctx, dy):
     op = _backward_op(dy, keep, *ctx.options)
     # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
     # and Inductor fuses it into dX's consumers (kernels.sebp_gemms's `dx_slots`).
-    dx_slots = ctx.options[2] == "triton" and keep is not None
+    _, _, impl, _, _ = ctx.options
+    dx_slots = impl == "triton" and keep is not None
     grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype,
                     dx_slots))
     # The op returns the gradients asked for, in order; the other inputs get None.
