@@ -102,7 +102,7 @@ def _backward(ctx, dy):
     x, weight, keep, perm, count, pos = ctx.saved_tensors
     op = _backward_op(dy, keep, *ctx.options)
     # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
-    # and Inductor fuses it into dX's consumers (kernels.sebp_gemms's `dx_slots`).
+    # which Inductor can fuse into dX's consumers (kernels.sebp_gemms's `dx_slots`).
     _, _, impl, _, _ = ctx.options
     dx_slots = impl == "triton" and keep is not None
     grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype,
