@@ -277,6 +277,34 @@ def test_backward_op_choice(impl, planned, check, device, want):
     assert op is getattr(torch.ops.sebp_torch_ref, want)
 
 
+@pytest.mark.parametrize("dx_slots", [False, True])
+@pytest.mark.parametrize("need_x, need_w, bias", [(True, True, True), (True, False, False), (False, True, True)])
+def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, dx_slots):
+    """The ``triton_op``'s body, which Inductor traces on CUDA, runs on fake CUDA tensors (no GPU):
+    the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives."""
+    if INTERPRET:
+        pytest.skip("under the interpreter the triton_op is never called")
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sebp_torch_ref import kernels
+
+    monkeypatch.setattr(kernels, "_dw_split", lambda *_: 2)  # sized from a GPU's SM count
+    M, N, K = 37, 29, 45
+    with FakeTensorMode():
+        dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16) if need_w else None
+        weight = torch.empty(N, K, device="cuda", dtype=torch.bfloat16) if need_x else None
+        keep = torch.ones(M, dtype=torch.bool, device="cuda")
+        perm, count = torch.empty(M, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
+        args = (dy, x, weight, keep, perm, count, 0.0, None, "triton", False, "layer",
+                torch.bfloat16 if bias else None, dx_slots)
+        got = torch.ops.sebp_torch_ref.linear_backward_triton(*args)
+        want = torch.ops.sebp_torch_ref.linear_backward(*args)  # its registered fake
+    assert [(g.shape, g.dtype, g.device.type) for g in got] == [(w.shape, w.dtype, "cuda") for w in want]
+    assert got[0].shape[0] == (M + dx_slots if need_x else N)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (Triton compiled)")
 @pytest.mark.parametrize("scenario", ["plan", "plan_drops"])

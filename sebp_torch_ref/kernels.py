@@ -695,7 +695,9 @@ def sebp_gemms(
             raise ValueError("sebp_gemms: `bias_dtype` needs in-features (K > 0).")
         return tuple(None if t is None else t.zero_() for t in (dx, dw, db))
     if dx_slots and dx is not None:
-        dx[M].zero_()  # the row every dropped row reads
+        # The row every dropped row reads. (narrow, not dx[M]: a CPU-only torch cannot select
+        # from the fake CUDA tensors that test this body on CPU.)
+        dx.narrow(0, M, 1).zero_()
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
