@@ -249,7 +249,7 @@ class Variant:
   layer reading its ``dy`` to find them. ``max_rows="paper"``: the paper's fixed Top-N of
   :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
   step captured in CUDA graphs and replayed per batch. ``compiled``: the torch model (after its
-  patching) under ``torch.compile`` in its default mode; each SEBP layer is a custom op in the
+  patching) under ``torch.compile`` in its default mode; each SEBP layer is an op in the
   one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break). ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
@@ -265,7 +265,7 @@ class Variant:
   max_rows: str | None = None  # "paper": the model's ModelSpec.paper_max_rows (torch)
   layers: str = "dense"
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
-  compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: custom ops)
+  compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: ops in the graph)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
 
   @property

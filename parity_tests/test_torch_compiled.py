@@ -1,7 +1,8 @@
 """sebp_linear under torch.compile: one graph, no graph break, the eager gradients.
 
-Under ``torch.compile`` the SEBP layer is the custom op ``sebp_torch_ref::linear`` whose registered
-autograd calls ``sebp_torch_ref::linear_backward`` (``sebp_torch_ref/compiled.py``). These tests
+Under ``torch.compile`` the SEBP layer is the op ``sebp_torch_ref::linear`` whose registered
+autograd calls ``sebp_torch_ref::linear_backward`` or, for a planned Triton layer on CUDA,
+``sebp_torch_ref::linear_backward_triton`` (``sebp_torch_ref/compiled.py``). These tests
 compile a small patched model with ``fullgraph=True`` (a graph break is an error) and compare its
 gradients with the eager SEBP model's and with dense autograd's, on padded batches, under a row
 plan and under ``dense_backward()``.
@@ -162,7 +163,7 @@ def test_one_graph_with_the_sebp_backward_op(impl):
     assert {"aten.addmm.default", "aten.mm.default"} <= graphs["forward"][0]
     assert "sebp_torch_ref.linear_backward.default" in graphs["backward"][0]
     # A planned Triton layer's dX comes in the plan's order and a gather in the graph puts it in
-    # place (Inductor fuses it into dX's consumers); the torch backend returns dX in place.
+    # place (which Inductor can fuse into dX's consumers); the torch backend returns dX in place.
     assert ("aten.index.Tensor" in graphs["backward"][0]) == (impl == "triton")
 
 
@@ -273,7 +274,7 @@ def test_backward_op_choice(impl, planned, check, device, want):
     with FakeTensorMode():
         dy = torch.empty(6, 5, device=device)
         keep = torch.ones(6, dtype=torch.bool, device=device) if planned else None
-    op = _backward_op(dy, keep, 0.0, None, impl, check, "layer")
+    op = _backward_op(dy, impl == "triton" and keep is not None, check)
     assert op is getattr(torch.ops.sebp_torch_ref, want)
 
 

@@ -26,8 +26,8 @@ custom op: the unplanned select and compact launches, the ``torch`` backend's ho
 ``count``, a plan's ``check`` (a host read), and the Triton interpreter (which ``triton_op``
 tracing cannot run). A planned Triton layer's ``dX`` comes from either op in the plan's order
 (``dx_slots``: only the kept rows written, and a zero row), and the backward puts it in place by a
-gather, ``dx[plan_pos]``, that Inductor fuses into ``dX``'s consumers, so the dropped rows' zeros
-are neither written nor read back, as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
+gather, ``dx[plan_pos]``, that Inductor can fuse into ``dX``'s consumers, so the dropped rows'
+zeros need not be written nor read back (not yet measured on a GPU), as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
 The ops take tensors, numbers, strings and dtypes only, so the
 :class:`~sebp_torch_ref.policy.RowPolicy` travels as its fields and a row plan as tensors: its
 mask's rows ``plan_keep`` and their active-first permutation, made by the graph from the mask
@@ -100,11 +100,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy):
     x, weight, keep, perm, count, pos = ctx.saved_tensors
-    op = _backward_op(dy, keep, *ctx.options)
+    _, _, impl, check, _ = ctx.options
     # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
     # which Inductor can fuse into dX's consumers (kernels.sebp_gemms's `dx_slots`).
-    _, _, impl, _, _ = ctx.options
     dx_slots = impl == "triton" and keep is not None
+    op = _backward_op(dy, dx_slots, check)
     grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype,
                     dx_slots))
     # The op returns the gradients asked for, in order; the other inputs get None.
@@ -118,10 +118,10 @@ def _backward(ctx, dy):
 _linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _backward_op(dy, keep, threshold, max_rows, impl, check, name):
+def _backward_op(dy, planned_triton: bool, check: bool):
     """The op of a layer's backward: the ``triton_op`` where Inductor can launch the planned
     Triton GEMMs itself (see the module's docstring), else the custom op."""
-    if impl == "triton" and keep is not None and not check and dy.is_cuda:
+    if planned_triton and not check and dy.is_cuda:
         from . import kernels  # Triton is needed only here (and may be absent elsewhere).
 
         if not kernels.interpreter_enabled():
