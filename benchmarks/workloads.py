@@ -73,7 +73,8 @@ Measurement
     the workload's batches needed: new ones plus the shapes an earlier workload had compiled.
   * ``compile_s``: JAX, the seconds those traces and compilations took; torch (``*-compiled``
     variants), the warm-up steps' time beyond as many median steps (their first step traces and
-    compiles, and Inductor's caches may already hold part of it); ``None`` without warm-up.
+    compiles, and Inductor's caches may already hold part of it; floored at 0); ``None`` without
+    warm-up.
   * ``active_fraction``: real tokens over padded tokens: the fraction of linear-layer rows whose
     output gradient is not zero.
 
@@ -879,7 +880,10 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
         row.opt_ms = _median([clock.ms(t2, t3) for _, _, t2, t3 in timed])
         row.step_ms = _median([clock.ms(t0, t3) for t0, _, _, t3 in timed])
         if variant.compiled and warm:
-          row.compile_s = sum(clock.ms(t0, t3) - row.step_ms for t0, _, _, t3 in warm) / 1e3
+          # Floored at 0: with Inductor's caches warm the warm-up step can be no slower than a
+          # timed one (compile_s is then noise, not a negative compile time).
+          extra_ms = sum(clock.ms(t0, t3) - row.step_ms for t0, _, _, t3 in warm)
+          row.compile_s = max(0.0, extra_ms / 1e3)
       except Exception as e:  # recorded; the next workload runs
         row.error = _error_text(e)
         optimizer.zero_grad(set_to_none=True)

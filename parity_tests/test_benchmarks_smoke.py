@@ -236,8 +236,9 @@ def test_bert_tiny_compiled_torch_variants(tmp_path):
                 "--warmup", "1")
   _check_schema(result, variants, {4})
   assert all(r["error"] is None for r in result["rows"])
-  # The first (warm-up) step compiles: its time beyond a timed step's is the compile time.
-  assert all(r["compile_s"] > 0 for r in result["rows"])
+  # The warm-up step's time beyond a timed step's is recorded as the compile time. Its size is a
+  # timing (Inductor's caches may be warm from an earlier test), so only its presence is checked.
+  assert all(isinstance(r["compile_s"], float) and r["compile_s"] >= 0 for r in result["rows"])
 
 
 def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
