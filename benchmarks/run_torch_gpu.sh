@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
-# The torch reference on one GPU in at most 9 minutes (issue 19): its GPU tests, host vs GPU time
-# per layer (host_overhead_torch), BERT-base b32 with torch-dense, torch-sebp-plan (row plan of
-# the attention mask) and torch-bound, each eager and replayed from CUDA graphs (no host launch
-# overhead), LLaMA-3.2-3B b1 eager with torch-dense, torch-sebp-plan and torch-bound on piqa and
-# full_length, and a per-kernel-family profile of the eager BERT step. (The one-layer benchmark,
-# python -m benchmarks.layer_torch, is left out for time.)
+# The torch reference on one GPU, one suite per call, each in at most 9 minutes (issue 19):
 #
-#   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh    # results under $OUT/torch
+#   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh [SUITE]   # results under $OUT/torch
 #
-# Every stage has its own time limit (together 485 s), so a slow or failing stage costs only its
-# share. Each stage writes its own files naming the card and library versions, and appends what
-# it printed to $OUT/torch/summary_torch.md, the one file that carries every number.
+# SUITE (default eager):
+# * eager: the GPU tests of the eager paths, host vs GPU time per layer (host_overhead_torch),
+#   BERT-base b32 with torch-dense, torch-sebp-plan (row plan of the attention mask) and
+#   torch-bound, each eager and replayed from CUDA graphs (no host launch overhead), LLaMA-3.2-3B
+#   b1 eager with the three on piqa and full_length, and a per-kernel-family profile of the eager
+#   BERT step.
+# * compiled-bert: the torch.compile GPU tests, BERT-base b32 (three workloads) with the three under
+#   torch.compile, and the profile of the compiled plan and bound (Inductor's kernels).
+# * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
+#   (compilation alone takes minutes: each row's compile_s says how many seconds).
+# On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
+# CUDA_VISIBLE_DEVICES. (The one-layer benchmark, python -m benchmarks.layer_torch, is left out for
+# time.)
+#
+# Every stage has its own time limit, so a slow or failing stage costs only its share. Each stage
+# writes its own files naming the card and library versions, and appends what it printed to
+# $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
+suite=${1:-eager}
+case "$suite" in eager|compiled-bert|compiled-llama) ;;
+  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-llama]" >&2; exit 2;;
+esac
 out=${OUT:-benchmarks/results}/torch
 mkdir -p "$out"
 py=${PYTHON:-python}
@@ -19,7 +32,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 summary="$out/summary_torch.md"
 {
-  echo "# torch reference on one GPU ($(date -u +%F), git $(git rev-parse --short HEAD 2>/dev/null))"
+  echo "# torch reference on one GPU, suite $suite ($(date -u +%F), git $(git rev-parse --short HEAD 2>/dev/null))"
   echo '```'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
@@ -42,23 +55,46 @@ stage() {
 # append FILE...: markdown files written by a stage, into the summary.
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
-stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
-  parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py parity_tests/test_torch_attention.py \
-  -m gpu -q -x -p no:cacheprovider \
-  --junitxml="$out/gpu_tests_torch.xml"
-stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
-  --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
-append "$out/host_overhead_torch_profile.txt"
-stage 200 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
-  --steps 8 --time-budget 190 --variants torch-dense torch-sebp-plan torch-bound torch-dense-graphed \
-  torch-sebp-plan-graphed torch-bound-graphed
-append "$out/bert_torch.md"
-stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
-  --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound
-append "$out/llama_b1_torch.md"
-stage 30 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
-  --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp-plan
-append "$out/profile_torch_bert_b32_glue_sst2.md"
-stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
-  "$out/bert_torch.json" "$out/llama_b1_torch.json"
+if [ "$suite" = eager ]; then
+  stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
+    parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py parity_tests/test_torch_attention.py \
+    -m gpu -q -x -p no:cacheprovider \
+    --junitxml="$out/gpu_tests_torch.xml"
+  stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+    --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
+  append "$out/host_overhead_torch_profile.txt"
+  stage 200 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
+    --steps 8 --time-budget 190 --variants torch-dense torch-sebp-plan torch-bound torch-dense-graphed \
+    torch-sebp-plan-graphed torch-bound-graphed
+  append "$out/bert_torch.md"
+  stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
+    --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound
+  append "$out/llama_b1_torch.md"
+  stage 30 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
+    --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp-plan
+  append "$out/profile_torch_bert_b32_glue_sst2.md"
+  stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
+    "$out/bert_torch.json" "$out/llama_b1_torch.json"
+elif [ "$suite" = compiled-bert ]; then
+  stage 120 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
+    parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias" -m gpu -q -x \
+    -p no:cacheprovider --junitxml="$out/gpu_tests_torch_compiled.xml"
+  stage 260 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
+    --out-dir "$out" --steps 8 --time-budget 250 --variants torch-dense-compiled \
+    torch-sebp-plan-compiled torch-bound-compiled
+  append "$out/bert_torch_compiled.md"
+  stage 130 "BERT b32 profile, compiled (glue_sst2)" $py -m benchmarks.profile_torch --model bert \
+    --batch 32 --workload glue_sst2 --out-dir "$out" --variants torch-sebp-plan-compiled \
+    torch-bound-compiled
+  append "$out/profile_torch_bert_b32_glue_sst2.md"
+  stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
+    "$out/bert_torch_compiled.json"
+else
+  stage 520 "LLaMA-3.2-3B b1 (torch.compile)" $py -m benchmarks.llama --tag torch_compiled \
+    --out-dir "$out" --batches 1 --time-budget 510 --variant-timeout 300 --workloads piqa \
+    full_length --variants torch-dense-compiled torch-sebp-plan-compiled torch-bound-compiled
+  append "$out/llama_b1_torch_compiled.md"
+  stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
+    "$out/llama_b1_torch_compiled.json"
+fi
 rm -f "$out/stage.log"
