@@ -298,8 +298,9 @@ def test_causal_lm_run_reports_held_out_loss(tiny_models, tmp_path, capsys):
   assert "held-out loss" in out and "Report:" in out
   summary = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
   assert np.isfinite(summary["runs"]["sebp"]["eval"]["loss"])
-  assert "dense" not in summary["runs"]  # trained only with --compare; still timed:
-  assert summary["timing"]["dense"]["backward_ms"] > 0
+  assert "dense" not in summary["runs"]  # trained only with --compare; still timed (a
+  # difference of two timings, so only its presence is checked):
+  assert math.isfinite(summary["timing"]["dense"]["backward_ms"])
 
 
 # --------------------------------------------------------------------------- gradient capture

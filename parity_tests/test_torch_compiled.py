@@ -1,7 +1,7 @@
 """sebp_linear under torch.compile: one graph, no graph break, the eager gradients.
 
 Under ``torch.compile`` the SEBP layer is the op ``sebp_torch_ref::linear`` whose registered
-autograd calls ``sebp_torch_ref::linear_backward`` or, for a planned Triton layer on CUDA,
+autograd calls ``sebp_torch_ref::linear_backward`` or, for a Triton layer on CUDA,
 ``sebp_torch_ref::linear_backward_triton`` (``sebp_torch_ref/compiled.py``). These tests
 compile a small patched model with ``fullgraph=True`` (a graph break is an error) and compare its
 gradients with the eager SEBP model's and with dense autograd's, on padded batches, under a row
@@ -254,16 +254,15 @@ def test_graph_permutation_is_the_eager_one(rows, density):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("impl, planned, check, device, want", [
-    ("triton", True, False, "cuda", "linear_backward_triton"),
-    ("triton", True, True, "cuda", "linear_backward"),  # check reads dY on the host
-    ("triton", False, False, "cuda", "linear_backward"),  # the unplanned select and compact
-    ("triton", True, False, "cpu", "linear_backward"),
-    ("torch", True, False, "cuda", "linear_backward"),  # reads count on the host
+@pytest.mark.parametrize("impl, check, device, want", [
+    ("triton", False, "cuda", "linear_backward_triton"),  # planned or not
+    ("triton", True, "cuda", "linear_backward"),  # a plan's check reads dY on the host
+    ("triton", False, "cpu", "linear_backward"),
+    ("torch", False, "cuda", "linear_backward"),  # reads count on the host
 ])
-def test_backward_op_choice(impl, planned, check, device, want):
+def test_backward_op_choice(impl, check, device, want):
     """Which op a compiled layer's backward calls: the ``triton_op`` that Inductor launches only
-    for a planned, unchecked Triton layer on CUDA (CUDA tensors faked: no GPU needed)."""
+    for an unchecked Triton layer on CUDA (CUDA tensors faked: no GPU needed)."""
     if INTERPRET:
         pytest.skip("under the interpreter every layer takes the custom op (the module's docstring)")
     pytest.importorskip("triton")
@@ -273,16 +272,17 @@ def test_backward_op_choice(impl, planned, check, device, want):
 
     with FakeTensorMode():
         dy = torch.empty(6, 5, device=device)
-        keep = torch.ones(6, dtype=torch.bool, device=device) if planned else None
-    op = _backward_op(dy, impl == "triton" and keep is not None, check)
+    op = _backward_op(dy, impl, check)
     assert op is getattr(torch.ops.sebp_torch_ref, want)
 
 
-@pytest.mark.parametrize("dx_slots", [False, True])
+@pytest.mark.parametrize("rows", ["plan", "plan_dx_slots", "scored", "top_n"])
 @pytest.mark.parametrize("need_x, need_w, bias", [(True, True, True), (True, False, False), (False, True, True)])
-def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, dx_slots):
+def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, rows):
     """The ``triton_op``'s body, which Inductor traces on CUDA, runs on fake CUDA tensors (no GPU):
-    the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives."""
+    the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives; under
+    a row plan (its dX in place or in the plan's order) and without one (rows scored from dY,
+    or ranked for a Top-N policy)."""
     if INTERPRET:
         pytest.skip("under the interpreter the triton_op is never called")
     pytest.importorskip("triton")
@@ -296,9 +296,14 @@ def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_
         dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16) if need_w else None
         weight = torch.empty(N, K, device="cuda", dtype=torch.bfloat16) if need_x else None
-        keep = torch.ones(M, dtype=torch.bool, device="cuda")
-        perm, count = torch.empty(M, dtype=torch.int32, device="cuda"), torch.empty(1, dtype=torch.int32, device="cuda")
-        args = (dy, x, weight, keep, perm, count, 0.0, None, "triton", False, "layer",
+        keep = perm = count = None
+        if rows.startswith("plan"):
+            keep = torch.ones(M, dtype=torch.bool, device="cuda")
+            perm = torch.empty(M, dtype=torch.int32, device="cuda")
+            count = torch.empty(1, dtype=torch.int32, device="cuda")
+        dx_slots = rows == "plan_dx_slots"
+        max_rows = 5 if rows == "top_n" else None
+        args = (dy, x, weight, keep, perm, count, 0.0, max_rows, "triton", False, "layer",
                 torch.bfloat16 if bias else None, dx_slots)
         got = torch.ops.sebp_torch_ref.linear_backward_triton(*args)
         want = torch.ops.sebp_torch_ref.linear_backward(*args)  # its registered fake
@@ -308,23 +313,26 @@ def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (Triton compiled)")
-@pytest.mark.parametrize("scenario", ["plan", "plan_drops"])
-def test_inductor_launches_the_planned_triton_gemms(scenario):
-    """On CUDA a planned layer's compiled backward is the ``triton_op``: Inductor's code launches
-    the GEMM kernel itself, with no call of the custom op, and the gradients are eager SEBP's and
-    dense autograd's (of ``dY * mask`` for ``plan_drops``)."""
+@pytest.mark.parametrize("scenario", ["plan", "plan_drops", "padded"])
+def test_inductor_launches_the_triton_kernels(scenario):
+    """On CUDA a Triton layer's compiled backward is the ``triton_op``: Inductor's code launches
+    the kernels itself (a planned layer's GEMM launch; an unplanned one's select, compact and GEMM
+    launches), with no call of the custom op, and the gradients are eager SEBP's and dense
+    autograd's (of ``dY * mask`` for ``plan_drops``)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     x, dy, mask = (t.cuda() for t in _case(scenario))
+    context = contextlib.nullcontext if scenario == "padded" else lambda: row_plan(mask)
     dense, sebp = (model.cuda() for model in _models("triton"))
     compiled = torch.compile(copy.deepcopy(sebp), backend="inductor", fullgraph=True)
     want = _grads(dense, x, dy * mask[..., None], contextlib.nullcontext)
-    eager = _grads(sebp, x, dy, lambda: row_plan(mask))
-    got, code = run_and_get_code(_grads, compiled, x, dy, lambda: row_plan(mask))
+    eager = _grads(sebp, x, dy, context)
+    got, code = run_and_get_code(_grads, compiled, x, dy, context)
     backward_code = code[-1]
-    assert "_grads_kernel" in backward_code
-    assert "linear_backward" not in backward_code  # neither op: the kernel is launched inline
+    kernels = ["_grads_kernel"] + (["_select_kernel", "_compact_kernel"] if scenario == "padded" else [])
+    assert all(kernel in backward_code for kernel in kernels)
+    assert "linear_backward" not in backward_code  # neither op: the kernels are launched inline
     for name in want:
         torch.testing.assert_close(got[name], eager[name], rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)

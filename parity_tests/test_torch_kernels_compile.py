@@ -106,3 +106,76 @@ def test_rank_key_kernel_compiles(dtype):
 
   _compile(kernels._rank_key_kernel, dict(kernels._select_plan(4096).select),
            dict(dy_ptr=_POINTER[dtype], key_ptr="*fp32"), floats=("threshold",))
+
+
+# --------------------------------------------------------------------------- traced launches
+
+class _TargetDriver:
+  """Triton's driver as torch's Triton-IR generation asks it: the target only (no GPU here)."""
+
+  def get_current_target(self):
+    return TARGET
+
+  def get_active_torch_device(self):
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows", ["plan", "plan_dx_slots", "scored", "top_n"])
+@pytest.mark.parametrize("need_x, need_w, bias", [(True, True, True), (True, False, False), (False, True, True)])
+def test_torch_finds_what_each_traced_launch_writes(monkeypatch, rows, need_x, need_w, bias, split):
+  """Under ``torch.compile`` every launch of the ``triton_op``'s body becomes a graph node whose
+  written arguments torch finds by analysing the kernel's Triton IR; where that analysis fails,
+  torch takes every argument as written and the graph copies them all (``dY``, ``X`` and ``W``
+  included) before each launch: a silent slowdown, not an error. For each launch the body makes
+  (planned, unplanned, Top-N), the analysis, run here as Inductor runs it (for an sm_90 target),
+  succeeds, finds a write, and finds none to the layer's operands or the plan's rows (which the
+  launches also pass for the arguments they do not use: dW unsplit has no partial sums)."""
+  from torch._higher_order_ops import triton_kernel_wrap
+  from torch._subclasses.fake_tensor import FakeTensorMode
+
+  from sebp_torch_ref import kernels
+
+  launches = []
+
+  class _Recorded:
+    def __init__(self, kernel):
+      self.kernel = kernel
+
+    def __getitem__(self, grid):
+      def launch(*args, **kwargs):
+        launches.append((self.kernel, {**dict(zip(self.kernel.arg_names, args)), **kwargs}))
+      return launch
+
+  def launcher(kernel, traceable):
+    assert traceable, f"{kernel.fn.__name__} launched untraced in the triton_op's body"
+    return _Recorded(kernel)
+
+  monkeypatch.setattr(kernels, "_launcher", launcher)
+  monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
+  kernels._default_gemm_plan.cache_clear()  # plans cached with another split
+  M, N, K = 37, 29, 45
+  with FakeTensorMode():
+    dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16) if need_w else None
+    weight = torch.empty(N, K, device="cuda", dtype=torch.bfloat16) if need_x else None
+    keep = perm = count = None
+    if rows.startswith("plan"):
+      keep = torch.ones(M, dtype=torch.bool, device="cuda")
+      perm = torch.empty(M, dtype=torch.int32, device="cuda")
+      count = torch.empty(1, dtype=torch.int32, device="cuda")
+    torch.ops.sebp_torch_ref.linear_backward_triton(
+      dy, x, weight, keep, perm, count, 0.0, 5 if rows == "top_n" else None, "triton", False, "layer",
+      torch.bfloat16 if bias else None, rows == "plan_dx_slots")
+  want = {"_grads_kernel"} | (set() if rows.startswith("plan") else {"_select_kernel", "_compact_kernel"})
+  assert {kernel.fn.__name__ for kernel, _ in launches} == want | ({"_rank_key_kernel"} if rows == "top_n" else set())
+
+  monkeypatch.setattr(triton.runtime.driver, "_active", _TargetDriver())
+  operands = {id(t) for t in (dy, x, weight, keep, perm, count) if t is not None}
+  for kernel, kwargs in launches:
+    with monkeypatch.context() as m:  # torch's fallback logs a warning: make it fail the test
+      m.setattr(triton_kernel_wrap.log, "warning", lambda *a, **k: pytest.fail(f"{kernel.fn.__name__}: {a[0]}"))
+      accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, dict(kwargs), {})
+    written = {dep.name for dep in accesses.read_writes.writes if isinstance(kwargs.get(dep.name), torch.Tensor)}
+    assert written, kernel.fn.__name__
+    assert not [n for n in written if id(kwargs[n]) in operands], (kernel.fn.__name__, written)

@@ -250,6 +250,29 @@ def test_triton_reads_wide_gradients_through_the_permutation(dtype, policy, patt
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
+@pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
+@pytest.mark.parametrize("wide", [False, True])
+def test_triton_traceable_launches_give_the_eager_gradients(wide, policy, pattern, device, monkeypatch):
+    """The launches a compiled graph makes (``traceable``: through ``wrap_triton``, each written
+    buffer a tensor of its own) give the eager launches' gradients bit for bit; with dY copied and
+    read in place (``wide``)."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    if wide:
+        monkeypatch.setattr(kernels, "_MAX_COPIED_COLUMNS", OUT_FEATURES - 1)
+    gen = _generator("traceable", pattern, str(policy), wide)
+    dy = make_output_grad(pattern, (3, 13), gen).reshape(-1, OUT_FEATURES).to(device)
+    x = torch.randn(dy.shape[0], IN_FEATURES, generator=gen).to(device)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).to(device)
+    eager = kernels.sebp_grads(dy, x, weight, policy, torch.float32)
+    traced = kernels.sebp_grads(dy, x, weight, policy, torch.float32, traceable=True)
+    for got, want in zip(traced, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_triton_bias_gradient_sums_every_row(rows, device):
     """db adds the row blocks' partial sums, a chunk of columns per program: with few rows and

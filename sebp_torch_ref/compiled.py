@@ -17,17 +17,18 @@ launches, a host read of ``count``), and a graph break per layer cut a compiled 
   that order), computed by :func:`~sebp_torch_ref.grads.linear_grads`, the eager path's backends,
 
 into the compiled backward graph as a custom op, which Inductor calls as an opaque kernel: per
-layer a Python call, a plan object and Triton's ``JITFunction.run``. A planned layer on CUDA with
+layer a Python call, a plan object and Triton's ``JITFunction.run``. A layer on CUDA with
 ``impl="triton"`` calls ``sebp_torch_ref::linear_backward_triton`` instead, the same signature and
-gradients as a ``triton_op``: Inductor traces its body and launches the Triton GEMM kernel from
-the compiled graph's own code, as it launches its own kernels (BERT-base's compiled step waited
-on the custom op's host work: ``benchmarks/NOTES_torch.md``, "v23"). The other cases stay on the
-custom op: the unplanned select and compact launches, the ``torch`` backend's host read of
-``count``, a plan's ``check`` (a host read), and the Triton interpreter (which ``triton_op``
-tracing cannot run). A planned Triton layer's ``dX`` comes from either op in the plan's order
-(``dx_slots``: only the kept rows written, and a zero row), and the backward puts it in place by a
-gather, ``dx[plan_pos]``, that Inductor can fuse into ``dX``'s consumers, so the dropped rows'
-zeros need not be written nor read back (not yet measured on a GPU), as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
+gradients as a ``triton_op``: Inductor traces its body and launches the Triton kernels (a planned
+layer's GEMM launch; an unplanned one's select, compact and GEMM launches) from the compiled
+graph's own code, as it launches its own kernels (BERT-base's compiled step waited on the custom
+op's host work: ``benchmarks/NOTES_torch.md``, "v23"). The other cases stay on the custom op: the
+``torch`` backend's host read of ``count``, a plan's ``check`` (a host read), and the Triton
+interpreter (which ``triton_op`` tracing cannot run). A planned Triton layer's ``dX`` comes
+from either op in the plan's order (``dx_slots``: only the kept rows written, and a zero row), and
+the backward puts it in place by a gather, ``dx[plan_pos]``, that Inductor can fuse into ``dX``'s
+consumers, so the dropped rows' zeros need not be written nor read back (not yet measured on a
+GPU), as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
 The ops take tensors, numbers, strings and dtypes only, so the
 :class:`~sebp_torch_ref.policy.RowPolicy` travels as its fields and a row plan as tensors: its
 mask's rows ``plan_keep`` and their active-first permutation, made by the graph from the mask
@@ -104,7 +105,7 @@ def _backward(ctx, dy):
     # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
     # which Inductor can fuse into dX's consumers (kernels.sebp_gemms's `dx_slots`).
     dx_slots = impl == "triton" and keep is not None
-    op = _backward_op(dy, dx_slots, check)
+    op = _backward_op(dy, impl, check)
     grads = iter(op(dy.to(ctx.dtype), x, weight, keep, perm, count, *ctx.options, ctx.bias_dtype,
                     dx_slots))
     # The op returns the gradients asked for, in order; the other inputs get None.
@@ -118,10 +119,10 @@ def _backward(ctx, dy):
 _linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _backward_op(dy, planned_triton: bool, check: bool):
-    """The op of a layer's backward: the ``triton_op`` where Inductor can launch the planned
-    Triton GEMMs itself (see the module's docstring), else the custom op."""
-    if planned_triton and not check and dy.is_cuda:
+def _backward_op(dy, impl: str, check: bool):
+    """The op of a layer's backward: the ``triton_op`` where Inductor can launch the Triton
+    kernels itself (see the module's docstring), else the custom op."""
+    if impl == "triton" and not check and dy.is_cuda:
         from . import kernels  # Triton is needed only here (and may be absent elsewhere).
 
         if not kernels.interpreter_enabled():

@@ -28,8 +28,8 @@ def linear_grads(
         impl: ``"triton"``, ``"torch"`` or ``"dense"`` (resolved: not ``"auto"``).
         plan: the layer's row plan, or ``None``.
         name: the layer's name in the plan's errors.
-        traceable: the planned Triton GEMMs launched for a ``triton_op``'s body
-            (:func:`~sebp_torch_ref.kernels.sebp_gemms`'s ``traceable``).
+        traceable: the Triton launches made for a ``triton_op``'s body
+            (:func:`~sebp_torch_ref.kernels.sebp_grads`'s ``traceable``).
         dx_slots: a planned Triton layer's ``dX`` in the plan's order, ``(M + 1, K)``
             (:func:`~sebp_torch_ref.kernels.sebp_gemms`'s ``dx_slots``); needs ``plan`` and
             ``impl="triton"``.
@@ -44,7 +44,7 @@ def linear_grads(
 
         if plan is None:
             # One read of dY gives the row selection and db's partial sums.
-            return kernels.sebp_grads(dy, x, weight, policy, bias_dtype)
+            return kernels.sebp_grads(dy, x, weight, policy, bias_dtype, traceable=traceable)
     dx = dw = db = None
     if impl == "dense":
         dx = dy @ weight if need_x else None

@@ -40,6 +40,13 @@ whole backward can be captured in a CUDA graph.
    ``db``, split and fixed up the way their dW tile is: the plan's ``db`` costs no launch and no
    second read of ``dY``.
 
+Launched with ``traceable=True`` (the body of a :func:`torch.library.triton_op`,
+:mod:`~sebp_torch_ref.compiled`), every launch goes through :func:`torch.library.wrap_triton`
+and every buffer a kernel writes is a tensor of its own, allocated for that launch: traced, each
+launch becomes a node of the compiled graph that Inductor launches itself, and torch's
+functionalization, which clones a launch's mutated arguments, cannot follow several written views
+of one buffer (eagerly the int32 buffers are slices of one workspace, one allocation).
+
 Accumulation is float32; results are stored in the output's dtype. float32 operands use IEEE
 products (no TF32), like a default cuBLAS float32 matmul. Tiles come from per-GEMM, per-dtype
 tables with a per-shape rule (:func:`default_config`).
@@ -288,6 +295,15 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB: tl.constexpr):
+    """A dW tile summed by one slice of the rows, and (``WITH_DB``, first column block) its db."""
+    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+    if WITH_DB:
+        if first_k:
+            tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
+
+
+@triton.jit
 def _dw_tile(
     pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr, count, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk,
@@ -340,11 +356,12 @@ def _dw_tile(
             if WITH_DB:
                 if first_k:
                     db_acc += tl.sum(dy.to(tl.float32), axis=0)
-        if used <= 1:
-            tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
-            if WITH_DB:
-                if first_k:
-                    tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
+        if SPLIT == 1:
+            # Decided when compiling, so that an unsplit program holds none of the split's stores:
+            # torch's analysis of a traced launch would take its partial sums' arguments as written.
+            _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB)
+        elif used <= 1:
+            _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB)
         else:
             # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
             slice_size = N * K
@@ -483,6 +500,12 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _launcher(kernel, traceable: bool):
+    """``kernel`` itself, or (``traceable``) its :func:`torch.library.wrap_triton` wrapper, whose
+    launches a ``triton_op``'s trace records as graph nodes."""
+    return torch.library.wrap_triton(kernel) if traceable else kernel
+
+
 @dataclasses.dataclass(frozen=True)
 class _SelectPlan:
     """The select and compact launches over ``M`` rows, and their int32 workspace: ``perm``
@@ -549,7 +572,33 @@ def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, 
 
 # ----------------------------------------------------------------------------- launches
 
-def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool):
+def _select_buffers(plan: _SelectPlan, M: int, device: torch.device, traceable: bool):
+    """``(perm, count, block_counts, flags)``: int32 ``(M,)``, ``(1,)``, ``(num_blocks,)`` and the
+    int8 keep flags ``(M,)``; slices of one workspace, or (``traceable``) tensors of their own."""
+    if traceable:
+        return (torch.empty(M, dtype=torch.int32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device),
+                torch.empty(plan.num_blocks, dtype=torch.int32, device=device),
+                torch.empty(M, dtype=torch.int8, device=device))
+    work = torch.empty(plan.size, dtype=torch.int32, device=device)
+    return (work[:M], work[plan.count_at:plan.count_at + 1],
+            work[plan.counts_at:plan.counts_at + plan.num_blocks],
+            work[plan.keep_at:].view(torch.int8)[:M])
+
+
+def _kept_buffers(M: int, N: int, K: int, with_x: bool, dtype, device, traceable: bool):
+    """``(dy_kept (M, N), x_kept (M, K) or None)``: one allocation, ``x``'s part 16-byte aligned,
+    or (``traceable``) two."""
+    if traceable:
+        return (torch.empty((M, N), dtype=dtype, device=device),
+                torch.empty((M, K), dtype=dtype, device=device) if with_x else None)
+    size = torch.empty((), dtype=dtype).element_size()
+    x_at = -(-M * N * size // 16) * 16 // size
+    kept = torch.empty(x_at + M * K, dtype=dtype, device=device)
+    return kept[:M * N].view(M, N), kept[x_at:].view(M, K) if with_x else None
+
+
+def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool, traceable: bool = False):
     """``(perm, count, dy_kept, x_kept, db)``: the select and compact launches over the rows of
     ``dy`` (``(M, N)``, ``M > 0``).
 
@@ -557,35 +606,31 @@ def _select_and_compact(dy, x, keep, policy, bias_dtype, copy: bool):
     With ``copy``, ``dy_kept``/``x_kept`` are ``(M, ·)`` buffers whose first ``count`` rows are the
     kept rows of ``dy`` and ``x`` (``x_kept`` ``None`` without ``x``); without, both ``None``.
     ``db`` (``(N,)`` in ``bias_dtype``, the full column sum of ``dy``) where ``bias_dtype`` is given.
+    ``traceable``: as :func:`sebp_gemms`'s. Arguments a launch does not use get ``dy``, which no
+    launch writes.
     """
     M, N = dy.shape
     K = 0 if x is None else x.shape[1]
     plan = _select_plan(M)
     device = dy.device
-    work = torch.empty(plan.size, dtype=torch.int32, device=device)
-    perm, count = work[:M], work[plan.count_at:plan.count_at + 1]
-    block_counts = work[plan.counts_at:plan.counts_at + plan.num_blocks]
-    flags = work[plan.keep_at:].view(torch.int8)[:M]
+    perm, count, block_counts, flags = _select_buffers(plan, M, device, traceable)
     if keep is not None:
-        flags.copy_(keep)
+        # Traced, the given flags' own int8 copy (functional, no write into a buffer).
+        flags = keep.to(torch.int8) if traceable else flags.copy_(keep)
     with_db = bias_dtype is not None
-    db_partial = torch.empty((plan.num_blocks, N), dtype=torch.float32, device=device) if with_db else work
-    _select_kernel[plan.grid](
+    db_partial = torch.empty((plan.num_blocks, N), dtype=torch.float32, device=device) if with_db else dy
+    _launcher(_select_kernel, traceable)[plan.grid](
         dy, flags, block_counts, db_partial, policy.threshold, M, N, dy.stride(0), dy.stride(1),
         KEEP_GIVEN=keep is not None, WITH_DB=with_db, **plan.select,
     )
     dy_kept = x_kept = None
     if copy:
-        # One buffer for both copies; x's part starts 16-byte aligned.
-        x_at = -(-M * N * dy.element_size() // 16) * 16 // dy.element_size()
-        kept = torch.empty(x_at + M * K, dtype=dy.dtype, device=device)
-        dy_kept = kept[:M * N].view(M, N)
-        x_kept = None if x is None else kept[x_at:].view(M, K)
+        dy_kept, x_kept = _kept_buffers(M, N, K, x is not None, dy.dtype, device, traceable)
     db = torch.empty(N, dtype=bias_dtype, device=device) if with_db else None
-    _compact_kernel[plan.grid](
+    _launcher(_compact_kernel, traceable)[plan.grid](
         flags, block_counts, perm, count,
-        dy, dy if x is None else x, work if dy_kept is None else dy_kept, work if x_kept is None else x_kept,
-        db_partial, work if db is None else db,
+        dy, dy if x is None else x, dy if dy_kept is None else dy_kept, dy if x_kept is None else x_kept,
+        db_partial, dy if db is None else db,
         M, N, K, plan.num_blocks,
         dy.stride(0), dy.stride(1), *((0, 0) if x is None else x.stride()),
         COPY_DY=dy_kept is not None, COPY_X=x_kept is not None, WITH_DB=with_db, **plan.compact,
@@ -623,7 +668,7 @@ def permutation_of(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, count
 
 
-def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
+def _given_keep(dy: torch.Tensor, policy: RowPolicy, traceable: bool = False) -> torch.Tensor | None:
     """The keep flags of a Top-N policy: each row's ranking key in one launch, then the Top-N by
     torch ops on the device; ``None`` where the select launch scores the rows itself."""
     if policy.max_rows is None or policy.max_rows >= dy.shape[0]:
@@ -631,8 +676,8 @@ def _given_keep(dy: torch.Tensor, policy: RowPolicy) -> torch.Tensor | None:
     M, N = dy.shape
     plan = _select_plan(M)
     keys = torch.empty(M, dtype=torch.float32, device=dy.device)
-    _rank_key_kernel[plan.grid](dy, keys, policy.threshold, M, N,
-                                dy.stride(0), dy.stride(1), **plan.select)
+    _launcher(_rank_key_kernel, traceable)[plan.grid](dy, keys, policy.threshold, M, N,
+                                                      dy.stride(0), dy.stride(1), **plan.select)
     return top_rows(keys, policy.max_rows)
 
 
@@ -707,8 +752,7 @@ def sebp_gemms(
         arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
-    launch = torch.library.wrap_triton(_grads_kernel) if traceable else _grads_kernel
-    launch[plan.grid](
+    _launcher(_grads_kernel, traceable)[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
         count if db is None else db, db_partial, M, N, K, plan.dw_programs,
@@ -731,6 +775,8 @@ def sebp_grads(
     weight: torch.Tensor | None,
     policy: RowPolicy,
     bias_dtype: torch.dtype | None,
+    *,
+    traceable: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dX, dW, db)`` of one linear layer's SEBP backward, each only where asked for.
 
@@ -740,6 +786,9 @@ def sebp_grads(
         weight: ``(N, K)`` weight, or ``None`` if ``dX`` is not needed.
         policy: which rows of ``dy`` are kept.
         bias_dtype: ``db``'s dtype, or ``None`` if ``db`` is not needed.
+        traceable: every launch through :func:`torch.library.wrap_triton`, every written buffer
+            its own tensor, for the body of a :func:`torch.library.triton_op` (the module's
+            docstring); eagerly, the same launches.
 
     Returns:
         ``dX`` ``(M, K)`` in ``dy``'s dtype, ``dW`` ``(N, K)`` in ``x``'s dtype, and ``db`` ``(N,)``
@@ -756,9 +805,9 @@ def sebp_grads(
         return dx, dw, db
     copy = N <= _MAX_COPIED_COLUMNS
     perm, count, dy_kept, x_kept, db = _select_and_compact(
-        dy, x, _given_keep(dy, policy), policy, bias_dtype, copy)
+        dy, x, _given_keep(dy, policy, traceable), policy, bias_dtype, copy, traceable)
     dx, dw, _ = sebp_gemms(
         dy_kept if copy else dy, weight, x_kept if copy else x, perm, count,
-        dy.dtype if x is None else x.dtype, compacted=copy,
+        dy.dtype if x is None else x.dtype, compacted=copy, traceable=traceable,
     )
     return dx, dw, db
