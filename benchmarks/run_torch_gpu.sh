@@ -10,7 +10,8 @@
 #   b1 eager with the three on piqa and full_length, and a per-kernel-family profile of the eager
 #   BERT step.
 # * compiled-bert: the torch.compile GPU tests, BERT-base b32 (three workloads) with the three under
-#   torch.compile, and the profile of the compiled plan and bound (Inductor's kernels).
+#   torch.compile and torch-sebp-compiled (rows scored in every layer), and the profile of the
+#   compiled plan and bound (Inductor's kernels).
 # * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
 #   (compilation alone takes minutes: each row's compile_s says how many seconds).
 # On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
@@ -76,14 +77,14 @@ if [ "$suite" = eager ]; then
   stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
     "$out/bert_torch.json" "$out/llama_b1_torch.json"
 elif [ "$suite" = compiled-bert ]; then
-  stage 120 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
+  stage 100 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
     parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias" -m gpu -q -x \
     -p no:cacheprovider --junitxml="$out/gpu_tests_torch_compiled.xml"
-  stage 260 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
-    --out-dir "$out" --steps 8 --time-budget 250 --variants torch-dense-compiled \
-    torch-sebp-plan-compiled torch-bound-compiled
+  stage 300 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
+    --out-dir "$out" --steps 8 --time-budget 290 --variants torch-dense-compiled \
+    torch-sebp-plan-compiled torch-bound-compiled torch-sebp-compiled
   append "$out/bert_torch_compiled.md"
-  stage 130 "BERT b32 profile, compiled (glue_sst2)" $py -m benchmarks.profile_torch --model bert \
+  stage 110 "BERT b32 profile, compiled (glue_sst2)" $py -m benchmarks.profile_torch --model bert \
     --batch 32 --workload glue_sst2 --out-dir "$out" --variants torch-sebp-plan-compiled \
     torch-bound-compiled
   append "$out/profile_torch_bert_b32_glue_sst2.md"

@@ -25,7 +25,8 @@ Variants (:data:`VARIANTS`)
   device, so padded rows cost next to nothing, as the JAX models' cuDNN attention with sequence
   lengths skips them; every torch variant runs the same attention, exact for right-padded
   batches), ``torch-dense-compiled`` (the same under ``torch.compile``; beside it
-  ``torch-sebp-plan-compiled`` and ``torch-bound-compiled``, compared with it), ``torch-sebp``
+  ``torch-sebp-plan-compiled``, ``torch-bound-compiled``, ``torch-sebp-compiled`` and
+  ``torch-sebp-topn-compiled``, compared with it), ``torch-sebp``
   (:func:`sebp_torch_ref.apply_sebp`, Triton on CUDA, the dense backward chosen per step from the
   batch's real-token fraction with :func:`sebp_torch_ref.dense_backward`), ``torch-bound``
   (:func:`benchmarks.torch_bound.free_linear_backward_`: every ``nn.Linear`` backward free, ``dY``
@@ -299,6 +300,9 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense-compiled", "torch", "dense", compiled=True),
   Variant("torch-sebp-plan-compiled", "torch", "triton", rows=True, compiled=True),
   Variant("torch-bound-compiled", "torch", "bound", compiled=True),
+  # Rows scored from dY in every layer (the paper's method), and the paper's Top-N, compiled.
+  Variant("torch-sebp-compiled", "torch", "triton", compiled=True),
+  Variant("torch-sebp-topn-compiled", "torch", "triton", max_rows="paper", compiled=True),
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.
