@@ -78,7 +78,7 @@ if [ "$suite" = eager ]; then
     "$out/bert_torch.json" "$out/llama_b1_torch.json"
 elif [ "$suite" = compiled-bert ]; then
   stage 100 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
-    parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias" -m gpu -q -x \
+    parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias or traceable" -m gpu -q -x \
     -p no:cacheprovider --junitxml="$out/gpu_tests_torch_compiled.xml"
   stage 300 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
     --out-dir "$out" --steps 8 --time-budget 290 --variants torch-dense-compiled \

@@ -592,8 +592,7 @@ def _kept_buffers(M: int, N: int, K: int, with_x: bool, dtype, device, traceable
     if traceable:
         return (torch.empty((M, N), dtype=dtype, device=device),
                 torch.empty((M, K), dtype=dtype, device=device) if with_x else None)
-    size = torch.empty((), dtype=dtype).element_size()
-    x_at = -(-M * N * size // 16) * 16 // size
+    x_at = -(-M * N * dtype.itemsize // 16) * 16 // dtype.itemsize
     kept = torch.empty(x_at + M * K, dtype=dtype, device=device)
     return kept[:M * N].view(M, N), kept[x_at:].view(M, K) if with_x else None
 
