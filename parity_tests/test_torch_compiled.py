@@ -276,39 +276,118 @@ def test_backward_op_choice(impl, check, device, want):
     assert op is getattr(torch.ops.sebp_torch_ref, want)
 
 
-@pytest.mark.parametrize("rows", ["plan", "plan_dx_slots", "scored", "top_n"])
-@pytest.mark.parametrize("need_x, need_w, bias", [(True, True, True), (True, False, False), (False, True, True)])
-def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, rows):
-    """The ``triton_op``'s body, which Inductor traces on CUDA, runs on fake CUDA tensors (no GPU):
-    the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives; under
-    a row plan (its dX in place or in the plan's order) and without one (rows scored from dY,
-    or ranked for a Top-N policy)."""
+ROWS = ["plan", "plan_dx_slots", "scored", "top_n"]
+GRADS_ASKED = [(True, True, True), (True, False, False), (False, True, True)]  # need_x, need_w, bias
+M, N, K = 37, 29, 45
+
+
+def _fake_backward_args(rows: str, need_x: bool, need_w: bool, bias: bool) -> tuple:
+    """The backward ops' arguments as fake CUDA tensors (inside a ``FakeTensorMode``), bfloat16:
+    under a row plan (``"plan"``; ``"plan_dx_slots"``: its dX in the plan's order) or without one
+    (``"scored"``: rows scored from dY; ``"top_n"``: ranked for a Top-N policy)."""
+    dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16) if need_w else None
+    weight = torch.empty(N, K, device="cuda", dtype=torch.bfloat16) if need_x else None
+    keep = perm = count = None
+    if rows.startswith("plan"):
+        keep = torch.ones(M, dtype=torch.bool, device="cuda")
+        perm = torch.empty(M, dtype=torch.int32, device="cuda")
+        count = torch.empty(1, dtype=torch.int32, device="cuda")
+    return (dy, x, weight, keep, perm, count, 0.0, 5 if rows == "top_n" else None, "triton", False,
+            "layer", torch.bfloat16 if bias else None, rows == "plan_dx_slots")
+
+
+def _skip_unless_triton_op_runs() -> None:
     if INTERPRET:
         pytest.skip("under the interpreter the triton_op is never called")
     pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("need_x, need_w, bias", GRADS_ASKED)
+def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, rows):
+    """The ``triton_op``'s body, which Inductor traces on CUDA, runs on fake CUDA tensors (no GPU):
+    the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives."""
+    _skip_unless_triton_op_runs()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from sebp_torch_ref import kernels
 
     monkeypatch.setattr(kernels, "_dw_split", lambda *_: 2)  # sized from a GPU's SM count
-    M, N, K = 37, 29, 45
     with FakeTensorMode():
-        dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16) if need_w else None
-        weight = torch.empty(N, K, device="cuda", dtype=torch.bfloat16) if need_x else None
-        keep = perm = count = None
-        if rows.startswith("plan"):
-            keep = torch.ones(M, dtype=torch.bool, device="cuda")
-            perm = torch.empty(M, dtype=torch.int32, device="cuda")
-            count = torch.empty(1, dtype=torch.int32, device="cuda")
-        dx_slots = rows == "plan_dx_slots"
-        max_rows = 5 if rows == "top_n" else None
-        args = (dy, x, weight, keep, perm, count, 0.0, max_rows, "triton", False, "layer",
-                torch.bfloat16 if bias else None, dx_slots)
+        args = _fake_backward_args(rows, need_x, need_w, bias)
         got = torch.ops.sebp_torch_ref.linear_backward_triton(*args)
         want = torch.ops.sebp_torch_ref.linear_backward(*args)  # its registered fake
     assert [(g.shape, g.dtype, g.device.type) for g in got] == [(w.shape, w.dtype, "cuda") for w in want]
-    assert got[0].shape[0] == (M + dx_slots if need_x else N)
+    assert got[0].shape[0] == (M + (rows == "plan_dx_slots") if need_x else N)
+
+
+class _TargetDriver:
+    """Triton's driver as torch's Triton-IR generation asks it: an sm_90 target (no GPU here)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cuda")
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("need_x, need_w, bias", GRADS_ASKED)
+def test_torch_finds_what_each_traced_launch_writes(monkeypatch, rows, need_x, need_w, bias, split):
+    """Under ``torch.compile`` every launch of the ``triton_op``'s body becomes a graph node whose
+    written arguments torch finds by analysing the kernel's Triton IR; where that analysis fails,
+    torch takes every argument as written and the graph copies them all (``dY``, ``X`` and ``W``
+    included) before each launch: a silent slowdown, not an error. For each launch the body makes
+    (planned, unplanned, Top-N; dW split or not), the analysis, run here as Inductor runs it (for
+    an sm_90 target), succeeds, finds a write, and finds none to the layer's operands or the
+    plan's rows (which the launches also pass for the arguments they do not use)."""
+    _skip_unless_triton_op_runs()
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sebp_torch_ref import kernels
+
+    launches = []
+
+    class _Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel, {**dict(zip(self.kernel.arg_names, args)), **kwargs}))
+            return launch
+
+    def launcher(kernel, traceable):
+        assert traceable, f"{kernel.fn.__name__} launched untraced in the triton_op's body"
+        return _Recorded(kernel)
+
+    monkeypatch.setattr(kernels, "_launcher", launcher)
+    monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
+    kernels._default_gemm_plan.cache_clear()  # plans cached with another split
+    with FakeTensorMode():
+        args = _fake_backward_args(rows, need_x, need_w, bias)
+        torch.ops.sebp_torch_ref.linear_backward_triton(*args)
+    want = {"_grads_kernel"} | (set() if rows.startswith("plan") else {"_select_kernel", "_compact_kernel"})
+    want |= {"_rank_key_kernel"} if rows == "top_n" else set()
+    assert {kernel.fn.__name__ for kernel, _ in launches} == want
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _TargetDriver())
+    operands = {id(t) for t in args if isinstance(t, torch.Tensor)}
+    for kernel, kwargs in launches:
+        name = kernel.fn.__name__
+        with monkeypatch.context() as m:  # torch's fallback logs a warning: make it fail the test
+            m.setattr(triton_kernel_wrap.log, "warning", lambda *a, **k: pytest.fail(f"{name}: {a[0]}"))
+            accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, dict(kwargs), {})
+        written = {dep.name for dep in accesses.read_writes.writes
+                   if isinstance(kwargs.get(dep.name), torch.Tensor)}
+        assert written, name
+        assert not [n for n in written if id(kwargs[n]) in operands], (name, written)
 
 
 @pytest.mark.gpu
