@@ -297,23 +297,32 @@ def _fake_backward_args(rows: str, need_x: bool, need_w: bool, bias: bool) -> tu
             "layer", torch.bfloat16 if bias else None, rows == "plan_dx_slots")
 
 
-def _skip_unless_triton_op_runs() -> None:
+@pytest.fixture
+def dw_split(monkeypatch):
+    """Sets dW's row split of the launch plans (sized from a GPU's SM count otherwise), with no
+    plan cached under another split before or after the test; skips where the ``triton_op`` never
+    runs."""
     if INTERPRET:
         pytest.skip("under the interpreter the triton_op is never called")
     pytest.importorskip("triton")
+    from sebp_torch_ref import kernels
+
+    def set_split(split: int) -> None:
+        monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)
+        kernels._default_gemm_plan.cache_clear()
+
+    yield set_split
+    kernels._default_gemm_plan.cache_clear()
 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("need_x, need_w, bias", GRADS_ASKED)
-def test_triton_op_body_traces_with_fake_cuda_tensors(monkeypatch, need_x, need_w, bias, rows):
+def test_triton_op_body_traces_with_fake_cuda_tensors(dw_split, need_x, need_w, bias, rows):
     """The ``triton_op``'s body, which Inductor traces on CUDA, runs on fake CUDA tensors (no GPU):
     the gradients asked for, in order, of the shapes and dtypes the custom op's fake gives."""
-    _skip_unless_triton_op_runs()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sebp_torch_ref import kernels
-
-    monkeypatch.setattr(kernels, "_dw_split", lambda *_: 2)  # sized from a GPU's SM count
+    dw_split(2)
     with FakeTensorMode():
         args = _fake_backward_args(rows, need_x, need_w, bias)
         got = torch.ops.sebp_torch_ref.linear_backward_triton(*args)
@@ -337,7 +346,8 @@ class _TargetDriver:
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("need_x, need_w, bias", GRADS_ASKED)
-def test_torch_finds_what_each_traced_launch_writes(monkeypatch, rows, need_x, need_w, bias, split):
+def test_torch_finds_what_each_traced_launch_writes(monkeypatch, dw_split, rows, need_x, need_w, bias,
+                                                    split):
     """Under ``torch.compile`` every launch of the ``triton_op``'s body becomes a graph node whose
     written arguments torch finds by analysing the kernel's Triton IR; where that analysis fails,
     torch takes every argument as written and the graph copies them all (``dY``, ``X`` and ``W``
@@ -345,7 +355,6 @@ def test_torch_finds_what_each_traced_launch_writes(monkeypatch, rows, need_x, n
     (planned, unplanned, Top-N; dW split or not), the analysis, run here as Inductor runs it (for
     an sm_90 target), succeeds, finds a write, and finds none to the layer's operands or the
     plan's rows (which the launches also pass for the arguments they do not use)."""
-    _skip_unless_triton_op_runs()
     import triton
     from torch._higher_order_ops import triton_kernel_wrap
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -368,8 +377,7 @@ def test_torch_finds_what_each_traced_launch_writes(monkeypatch, rows, need_x, n
         return _Recorded(kernel)
 
     monkeypatch.setattr(kernels, "_launcher", launcher)
-    monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
-    kernels._default_gemm_plan.cache_clear()  # plans cached with another split
+    dw_split(split)
     with FakeTensorMode():
         args = _fake_backward_args(rows, need_x, need_w, bias)
         torch.ops.sebp_torch_ref.linear_backward_triton(*args)
