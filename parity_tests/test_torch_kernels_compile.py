@@ -106,4 +106,3 @@ def test_rank_key_kernel_compiles(dtype):
 
   _compile(kernels._rank_key_kernel, dict(kernels._select_plan(4096).select),
            dict(dy_ptr=_POINTER[dtype], key_ptr="*fp32"), floats=("threshold",))
-
