@@ -295,15 +295,6 @@ def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB: tl.constexpr):
-    """A dW tile summed by one slice of the rows, and (``WITH_DB``, first column block) its db."""
-    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
-    if WITH_DB:
-        if first_k:
-            tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
-
-
-@triton.jit
 def _dw_tile(
     pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr, count, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk,
@@ -356,12 +347,14 @@ def _dw_tile(
             if WITH_DB:
                 if first_k:
                     db_acc += tl.sum(dy.to(tl.float32), axis=0)
-        if SPLIT == 1:
-            # Decided when compiling, so that an unsplit program holds none of the split's stores:
-            # torch's analysis of a traced launch would take its partial sums' arguments as written.
-            _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB)
-        elif used <= 1:
-            _store_dw_tile(dw_ptr, db_ptr, acc, db_acc, offsets, in_tile, ns, N, first_k, WITH_DB)
+        # `SPLIT == 1` first, decided when compiling, so that an unsplit program holds none of the
+        # split's stores: torch's analysis of a traced launch would take its partial sums' arguments
+        # as written.
+        if SPLIT == 1 or used <= 1:
+            tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=in_tile)
+            if WITH_DB:
+                if first_k:
+                    tl.store(db_ptr + ns, db_acc.to(db_ptr.dtype.element_ty), mask=ns < N)
         else:
             # int32 suffices: a split weight has few tiles (at most ~2 per SM), so SPLIT * N * K is small.
             slice_size = N * K
