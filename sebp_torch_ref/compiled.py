@@ -5,8 +5,8 @@ launches, a host read of ``count``), and a graph break per layer cut a compiled 
 ~200 graphs whose host time outweighed SEBP's gain at small batches (``benchmarks/NOTES_torch.md``,
 "v22b"). Functional ops keep the layer in one graph instead:
 
-* ``sebp_torch_ref::linear(x, weight, bias?, plan_keep?, plan_perm?, plan_count?, plan_pos?,
-  threshold, max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``, a
+* ``sebp_torch_ref::linear(x, weight, bias?, plan_keep?, plan_perm?, plan_count?, threshold,
+  max_rows?, impl, check, name) -> Tensor``: ``F.linear(x, weight, bias)``, a
   :func:`torch.library.triton_op` with no kernel of its own, so that AOTAutograd traces its body
   into the graph (the forward is the ``addmm`` that dense's is, fused and launched by Inductor
   the same way, with no Python dispatch per layer) while its registered autograd saves what the
@@ -26,7 +26,8 @@ op's host work: ``benchmarks/NOTES_torch.md``, "v23"). The other cases stay on t
 ``torch`` backend's host read of ``count``, a plan's ``check`` (a host read), and the Triton
 interpreter (which ``triton_op`` tracing cannot run). A planned Triton layer's ``dX`` comes
 from either op in the plan's order (``dx_slots``: only the kept rows written, and a zero row), and
-the backward puts it in place by a gather, ``dx[plan_pos]``, that Inductor can fuse into ``dX``'s
+the backward puts it in place by a gather, ``dx[places]`` (each row's place among the kept rows,
+made from ``plan_keep``), that Inductor can fuse into ``dX``'s
 consumers, so the dropped rows' zeros need not be written nor read back (not yet measured on a
 GPU), as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
 The ops take tensors, numbers, strings and dtypes only, so the
@@ -55,13 +56,12 @@ def linear(
 ) -> torch.Tensor:
     """``sebp_torch_ref::linear`` on 2-D ``x`` with :func:`~sebp_torch_ref.sebp_linear`'s checked
     and resolved arguments (``impl`` not ``"auto"``); called by traced code."""
-    keep = perm = count = pos = None
+    keep = perm = count = None
     if plan is not None:
         keep = plan.mask.reshape(-1) != 0
         perm, count = _active_first(keep)
-        pos = _places(keep)
     return torch.ops.sebp_torch_ref.linear(
-        x, weight, bias, keep, perm, count, pos, policy.threshold, policy.max_rows, impl,
+        x, weight, bias, keep, perm, count, policy.threshold, policy.max_rows, impl,
         plan is not None and plan.check, name,
     )
 
@@ -76,31 +76,32 @@ def _active_first(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _places(keep: torch.Tensor) -> torch.Tensor:
     """Each row's place in :func:`_active_first`'s permutation if kept (kept rows come first, in
-    row order), else ``len(keep)``: the row of a ``dx_slots`` dX that a dropped row reads (zeros)."""
+    row order), else ``len(keep)``: the row of a ``dx_slots`` dX that a dropped row reads (zeros).
+    The same computation in every layer's backward, which Inductor's CSE makes one."""
     return torch.where(keep, keep.cumsum(0) - 1, keep.numel())
 
 
 @torch.library.triton_op("sebp_torch_ref::linear", mutates_args=())
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan_keep: torch.Tensor | None,
-    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, plan_pos: torch.Tensor | None,
-    threshold: float, max_rows: int | None, impl: str, check: bool, name: str | None,
+    plan_perm: torch.Tensor | None, plan_count: torch.Tensor | None, threshold: float,
+    max_rows: int | None, impl: str, check: bool, name: str | None,
 ) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, keep, perm, count, pos, threshold, max_rows, impl, check, name = inputs
+    x, weight, bias, keep, perm, count, threshold, max_rows, impl, check, name = inputs
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     # dX needs only W and dW only X: save nothing the backward will not read (frozen weights).
-    ctx.save_for_backward(x if need_w else None, weight if need_x else None, keep, perm, count, pos)
+    ctx.save_for_backward(x if need_w else None, weight if need_x else None, keep, perm, count)
     ctx.options = threshold, max_rows, impl, check, name
     ctx.dtype = x.dtype
     ctx.bias_dtype = bias.dtype if need_b else None
 
 
 def _backward(ctx, dy):
-    x, weight, keep, perm, count, pos = ctx.saved_tensors
+    x, weight, keep, perm, count = ctx.saved_tensors
     _, _, impl, check, _ = ctx.options
     # A planned Triton layer's dX comes in the plan's order; the gather below puts it in place,
     # which Inductor can fuse into dX's consumers (kernels.sebp_gemms's `dx_slots`).
@@ -112,8 +113,8 @@ def _backward(ctx, dy):
     dx, dw, db = (next(grads) if asked else None for asked in (weight is not None, x is not None,
                                                               ctx.bias_dtype is not None))
     if dx is not None and dx_slots:
-        dx = dx[pos]
-    return dx, dw, db, None, None, None, None, None, None, None, None, None
+        dx = dx[_places(keep)]
+    return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 _linear.register_autograd(_backward, setup_context=_setup_context)
