@@ -398,6 +398,40 @@ def test_torch_finds_what_each_traced_launch_writes(monkeypatch, dw_split, rows,
         assert not [n for n in written if id(kwargs[n]) in operands], (name, written)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows", ROWS)
+def test_traced_gradients_are_written_only_by_the_kernels(monkeypatch, dw_split, rows, split):
+    """In the ``triton_op``'s body as AOTAutograd traces it (functionalized), every gradient is
+    the kernel's write into a fresh ``empty`` buffer: nothing else writes into part of it first.
+    Any torch write there (say a ``zero_()`` of ``dx_slots``' zero row) becomes a ``slice_scatter``
+    into the empty buffer, which Inductor lowers to a kernel that writes the whole buffer: the
+    bytes SEBP exists not to write (``benchmarks/NOTES_torch.md``, "v24 and v25 measured")."""
+    import triton
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _TargetDriver())
+    dw_split(split)
+    with FakeTensorMode():
+        args = _fake_backward_args(rows, True, True, True)
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def backward(*tensors):
+            full = list(args)
+            for i, t in zip(at, tensors):
+                full[i] = t
+            return torch.ops.sebp_torch_ref.linear_backward_triton(*full)
+
+        graph = make_fx(dispatch_functionalize(backward))(*(args[i] for i in at)).graph
+    outputs = next(node for node in graph.nodes if node.op == "output").args[0]
+    assert len(outputs) == 3  # dX, dW, db
+    for output in outputs:
+        launch, name = output.args  # getitem(the launch's written buffers, the kernel's argument)
+        assert launch.target is torch.ops.higher_order.triton_kernel_wrapper_functional, output
+        assert launch.kwargs["kwargs"][name].target is torch.ops.aten.empty.memory_format, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (Triton compiled)")
 @pytest.mark.parametrize("scenario", ["plan", "plan_drops", "padded"])

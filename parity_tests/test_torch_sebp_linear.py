@@ -409,6 +409,22 @@ def _sync_debug_mode(mode: str):
         torch.cuda.set_sync_debug_mode(previous)
 
 
+@contextlib.contextmanager
+def _uninitialized_memory_is_nan():
+    """``torch.empty`` filled with NaN (integers: their largest value), so that a row a kernel
+    should have written but did not is seen, whatever the allocator hands out."""
+    import torch.utils.deterministic
+
+    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -625,9 +641,10 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
     for got, want in zip((dx, dw, db), expected):
         assert_grad_close(got.cpu(), want, dtype)
     # dX in the plan's order (what compiled graphs gather): the same rows, bit for bit, and a zero
-    # row that every dropped row reads.
-    slotted, dw_slots, _ = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False,
-                                              bias_dtype=dtype, dx_slots=True)
+    # row that every dropped row reads (written by the kernel: the buffer starts as NaN here).
+    with _uninitialized_memory_is_nan():
+        slotted, dw_slots, _ = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False,
+                                                  bias_dtype=dtype, dx_slots=True)
     assert slotted.shape == (rows + 1, IN_FEATURES) and not slotted[rows].any()
     places = torch.where(keep, keep.cumsum(0) - 1, rows).to(device)
     torch.testing.assert_close(slotted[places], dx, rtol=0, atol=0, equal_nan=True)

@@ -253,7 +253,8 @@ def _dx_tile(
 ):
     """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
     perm[slot] of dX, zeros for the slots past ``count`` (dropped rows); with ``DX_SLOTS``, the
-    kept slots' rows stored at rows ``slot`` (dX in the plan's order), nothing else."""
+    kept slots' rows stored at rows ``slot`` (dX in the plan's order), and by the first row
+    block, its columns of row ``M``: the zeros every dropped row reads."""
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
     pid_m = pid // tiles_k
@@ -284,6 +285,12 @@ def _dx_tile(
         in_dx = in_dx & (slots[:, None] < count)  # only kept rows: dropped rows read row M
     tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
              acc.to(dx_ptr.dtype.element_ty), mask=in_dx)
+    if DX_SLOTS:
+        # Here, not by a torch zero_() on the row: under torch.compile that write to a slice of
+        # an empty buffer becomes a kernel writing the whole (M + 1, K) buffer.
+        if pid_m == 0:
+            tl.store(dx_ptr + M * stride_dxm + cols * stride_dxk,
+                     tl.zeros((BLOCK_K,), dtype=dx_ptr.dtype.element_ty), mask=cols < K)
 
 
 @triton.jit
@@ -731,10 +738,6 @@ def sebp_gemms(
         if db is not None and M * N:  # no in-features: no dW programs to sum db (a K = 0 layer)
             raise ValueError("sebp_gemms: `bias_dtype` needs in-features (K > 0).")
         return tuple(None if t is None else t.zero_() for t in (dx, dw, db))
-    if dx_slots and dx is not None:
-        # The row every dropped row reads. (narrow, not dx[M]: a CPU-only torch cannot select
-        # from the fake CUDA tensors that test this body on CPU.)
-        dx.narrow(0, M, 1).zero_()
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
