@@ -28,8 +28,8 @@ interpreter (which ``triton_op`` tracing cannot run). A planned Triton layer's `
 from either op in the plan's order (``dx_slots``: only the kept rows written, and a zero row), and
 the backward puts it in place by a gather, ``dx[places]`` (each row's place among the kept rows,
 made from ``plan_keep``), that Inductor can fuse into ``dX``'s
-consumers, so the dropped rows' zeros need not be written nor read back (not yet measured on a
-GPU), as in the JAX backward (``benchmarks/NOTES.md``, "v20", "v21").
+consumers, so the dropped rows' zeros need not be written nor read back, as in the JAX backward
+(``benchmarks/NOTES.md``, "v20", "v21"; ``benchmarks/NOTES_torch.md``, "v24 and v25 measured").
 The ops take tensors, numbers, strings and dtypes only, so the
 :class:`~sebp_torch_ref.policy.RowPolicy` travels as its fields and a row plan as tensors: its
 mask's rows ``plan_keep`` and their active-first permutation, made by the graph from the mask
