@@ -289,7 +289,7 @@ def _dx_tile(
         # Here, not by a torch zero_() on the row: under torch.compile that write to a slice of
         # an empty buffer becomes a kernel writing the whole (M + 1, K) buffer.
         if pid_m == 0:
-            tl.store(dx_ptr + M * stride_dxm + cols * stride_dxk,
+            tl.store(dx_ptr + tl.cast(M, tl.int64) * stride_dxm + cols * stride_dxk,
                      tl.zeros((BLOCK_K,), dtype=dx_ptr.dtype.element_ty), mask=cols < K)
 
 
