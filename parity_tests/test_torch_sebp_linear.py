@@ -415,14 +415,15 @@ def _uninitialized_memory_is_nan():
     should have written but did not is seen, whatever the allocator hands out."""
     import torch.utils.deterministic
 
-    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous[0])
-        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @pytest.mark.gpu
