@@ -10,8 +10,11 @@
 #   b1 eager with the three on piqa and full_length, and a per-kernel-family profile of the eager
 #   BERT step.
 # * compiled-bert: the torch.compile GPU tests, BERT-base b32 (every workload) with the three under
-#   torch.compile and torch-sebp-compiled (rows scored in every layer), and the profile of the
+#   torch.compile and replayed from CUDA graphs (the compiled BERT step launched from the host
+#   waits on its launches: 2026-11-29, busy 14.8 ms in a 22.7 ms step), and the profile of the
 #   compiled plan and bound (Inductor's kernels).
+# * compiled-bert-host: BERT-base b32 with the three under torch.compile as a user runs it
+#   (launched from the host), and torch-sebp-compiled (rows scored in every layer).
 # * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
 #   (compilation alone takes minutes: each row's compile_s says how many seconds).
 # On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
@@ -23,8 +26,9 @@
 # $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
 suite=${1:-eager}
-case "$suite" in eager|compiled-bert|compiled-llama) ;;
-  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-llama]" >&2; exit 2;;
+case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama) ;;
+  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama]" >&2
+     exit 2;;
 esac
 out=${OUT:-benchmarks/results}/torch
 mkdir -p "$out"
@@ -80,15 +84,25 @@ elif [ "$suite" = compiled-bert ]; then
   stage 90 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
     parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias or traceable" -m gpu -q -x \
     -p no:cacheprovider --junitxml="$out/gpu_tests_torch_compiled.xml"
-  # Four compilations of ~30-90 s each (2026-11-28: 50 + 89 + 74 s for the first three).
-  stage 390 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
-    --out-dir "$out" --steps 8 --time-budget 380 --variants torch-dense-compiled \
-    torch-sebp-plan-compiled torch-sebp-compiled torch-bound-compiled
-  append "$out/bert_torch_compiled.md"
-  stage 100 "BERT b32 profile, compiled (glue_sst2)" $py -m benchmarks.profile_torch --model bert \
+  # Three compilations and captures of 70-110 s each (2026-11-29, three workloads: 70 + 109 + 70 s).
+  stage 320 "BERT-base b32 (torch.compile, CUDA-graphed)" $py -m benchmarks.bert \
+    --tag torch_compiled_graphed --out-dir "$out" --steps 8 --time-budget 310 \
+    --variants torch-dense-compiled-graphed torch-sebp-plan-compiled-graphed \
+    torch-bound-compiled-graphed
+  append "$out/bert_torch_compiled_graphed.md"
+  # Two compilations and profiles (2026-11-29: the first alone took ~95 s).
+  stage 150 "BERT b32 profile, compiled (glue_sst2)" $py -m benchmarks.profile_torch --model bert \
     --batch 32 --workload glue_sst2 --out-dir "$out" --variants torch-sebp-plan-compiled \
     torch-bound-compiled
   append "$out/profile_torch_bert_b32_glue_sst2.md"
+  stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
+    "$out/bert_torch_compiled_graphed.json"
+elif [ "$suite" = compiled-bert-host ]; then
+  # Four compilations of ~30-90 s each (2026-11-29: 384 s for the four on 11 workloads).
+  stage 420 "BERT-base b32 (torch.compile)" $py -m benchmarks.bert --tag torch_compiled \
+    --out-dir "$out" --steps 8 --time-budget 410 --variants torch-dense-compiled \
+    torch-sebp-plan-compiled torch-sebp-compiled torch-bound-compiled
+  append "$out/bert_torch_compiled.md"
   stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
     "$out/bert_torch_compiled.json"
 else

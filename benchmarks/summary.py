@@ -3,9 +3,10 @@
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
 the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
 own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-graphed`` /
-``torch-dense-compiled`` for the graphed / compiled torch variants), the way to its own framework's
-bound ``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound``,
-``torch-bound-graphed`` or ``torch-bound-compiled``), and
+``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the graphed / compiled / compiled
+and graphed torch variants), the way to its own framework's bound
+``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound`` or the
+torch bound of the same suffix), and
 peak memory against its own dense; and, for the ``full_length`` workload, the step time as a
 multiple of its own dense's. Computed from the JSON, so
 a re-measured file gives the README's numbers without copying them by hand::
@@ -27,16 +28,20 @@ __all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_su
 BOUND = "jax-bound"
 # framework -> (its dense variant, its bound variant); a CUDA-graphed torch step is compared with
 # the graphed dense and bound steps (the same host overhead: none), a compiled one with the
-# compiled ones (the same fusions between the linear layers).
+# compiled ones (the same fusions between the linear layers), a compiled and graphed one with the
+# compiled and graphed ones (both).
 # A JAX step under the command-buffer flags likewise with dense and the bound under them.
 REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound"),
               "torch-graphed": ("torch-dense-graphed", "torch-bound-graphed"),
               "torch-compiled": ("torch-dense-compiled", "torch-bound-compiled"),
+              "torch-compiled-graphed": ("torch-dense-compiled-graphed",
+                                         "torch-bound-compiled-graphed"),
               "jax-cmdbuf": ("jax-dense-cmdbuf", "jax-bound-cmdbuf")}
 
 
 def _references(row: dict) -> tuple[str, str]:
-  suffix = next((s for s in ("-graphed", "-compiled", "-cmdbuf") if row["variant"].endswith(s)),
+  suffix = next((s for s in ("-compiled-graphed", "-graphed", "-compiled", "-cmdbuf")
+                 if row["variant"].endswith(s)),
                 "")
   return REFERENCES[row["framework"] + suffix]
 

@@ -37,7 +37,9 @@ Variants (:data:`VARIANTS`)
   ``torch-dense-graphed``, ``torch-sebp-plan-graphed``, ``torch-bound-graphed`` and
   ``torch-sebp-topn-graphed`` run the same
   models' steps as CUDA graphs (:class:`benchmarks.torch_graph.GraphedStep`: no host launch
-  overhead; CUDA only, refused elsewhere);
+  overhead; CUDA only, refused elsewhere), and ``torch-dense-compiled-graphed``,
+  ``torch-sebp-plan-compiled-graphed`` and ``torch-bound-compiled-graphed`` the compiled models'
+  steps (compared with each other);
   ``jax-sebp-pallas-nocond`` is ``jax-sebp-pallas`` with ``crossover=1.0`` (no dense-branch
   ``lax.cond``, whose predicate XLA fetches to the host once per layer); ``jax-sebp-pallas-per-batch`` decides the
   crossover once per step, and ``jax-sebp-pallas-plan`` besides hands every layer the step's row
@@ -252,7 +254,8 @@ class Variant:
   :attr:`ModelSpec.paper_max_rows`; models without one skip the variant. ``graphed``: the torch
   step captured in CUDA graphs and replayed per batch. ``compiled``: the torch model (after its
   patching) under ``torch.compile`` in its default mode; each SEBP layer is an op in the
-  one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break). ``layers``: ``"dense"``, the model as
+  one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break); with ``graphed``, the
+  compiled step is what the CUDA graphs record. ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
@@ -303,6 +306,12 @@ VARIANTS: tuple[Variant, ...] = (
   # Rows scored from dY in every layer (the paper's method), and the paper's Top-N, compiled.
   Variant("torch-sebp-compiled", "torch", "triton", compiled=True),
   Variant("torch-sebp-topn-compiled", "torch", "triton", max_rows="paper", compiled=True),
+  # Compiled and replayed from CUDA graphs: Inductor's fusions without the host launching
+  # Inductor's kernels one by one (on BERT-base b32 the compiled SEBP and bound steps wait on it).
+  Variant("torch-dense-compiled-graphed", "torch", "dense", compiled=True, graphed=True),
+  Variant("torch-sebp-plan-compiled-graphed", "torch", "triton", rows=True, compiled=True,
+          graphed=True),
+  Variant("torch-bound-compiled-graphed", "torch", "bound", compiled=True, graphed=True),
   Variant("jax-dynamic", "jax", "dynamic"),
   Variant("jax-sebp-xla", "jax", "xla"),
   # The dense-branch conditional compiled out: what its host round trips cost per step.

@@ -94,3 +94,20 @@ def test_compiled_torch_variants_compare_with_compiled_dense_and_bound():
   plan = summary.variant_ranges(result)[(4, "torch-sebp-plan-compiled")]
   assert plan["own_bwd_x"] == (3.0, 3.0)           # 12 / 4, not eager torch-dense's 20 / 4
   assert plan["way"] == (8 / 9, 8 / 9)             # (12-4)/(12-3)
+
+
+def test_compiled_and_graphed_torch_variants_compare_with_their_own_dense_and_bound():
+  # Not with the graphed eager ones nor the host-launched compiled ones: each pair differs from
+  # it in fusions or in host overhead.
+  result = {**RESULT, "rows": RESULT["rows"] + [
+    _row("a", "torch-dense-graphed", bwd=14.0, step=24.0, mem=None),
+    _row("a", "torch-bound-graphed", bwd=1.0, step=15.0, mem=None),
+    _row("a", "torch-dense-compiled", bwd=16.0, step=24.0, mem=None),
+    _row("a", "torch-bound-compiled", bwd=10.0, step=15.0, mem=None),
+    _row("a", "torch-dense-compiled-graphed", bwd=12.0, step=24.0, mem=None),
+    _row("a", "torch-bound-compiled-graphed", bwd=3.0, step=15.0, mem=None),
+    _row("a", "torch-sebp-plan-compiled-graphed", bwd=6.0, step=16.0, mem=None),
+  ]}
+  plan = summary.variant_ranges(result)[(4, "torch-sebp-plan-compiled-graphed")]
+  assert plan["own_bwd_x"] == (2.0, 2.0)           # 12 / 6
+  assert plan["way"] == (6 / 9, 6 / 9)             # (12-6)/(12-3)

@@ -104,12 +104,14 @@ def test_load_refuses_other_inputs():
         GraphedStep(model, None, batch, _planned, graphs=_EagerGraphs(), warmup_steps=0)
 
 
-def test_benchmark_captures_a_step_per_crossover_choice_and_replays_each_batch(monkeypatch):
+@pytest.mark.parametrize("name", ["torch-sebp-plan-graphed", "torch-sebp-plan-compiled-graphed"])
+def test_benchmark_captures_a_step_per_crossover_choice_and_replays_each_batch(monkeypatch, name):
     """The runner's glue: one GraphedStep per crossover choice, each batch replayed on the step
-    of its own choice after being loaded (the eager stand-in for the graphs on CPU)."""
+    of its own choice after being loaded (the eager stand-in for the graphs on CPU); compiled, the
+    step the graphs record is the torch.compile'd model's."""
     monkeypatch.setattr(torch_graph, "CudaGraphs", lambda torch: _EagerGraphs())
     spec = bert.build(True)
-    variant = {v.name: v for v in workloads.VARIANTS}["torch-sebp-plan-graphed"]
+    variant = {v.name: v for v in workloads.VARIANTS}[name]
     torch.manual_seed(0)
     model = workloads.torch_variant_model(spec, variant, "cpu")
     batches, _ = workloads.workload_batches(spec, spec.workloads[0], 4, workloads.Settings(0, 3),
@@ -132,7 +134,9 @@ def test_benchmark_captures_a_step_per_crossover_choice_and_replays_each_batch(m
 def test_graphed_variants_are_refused_without_cuda():
     spec = bert.build(True)
     by_name = {v.name: v for v in workloads.VARIANTS}
-    for name in ("torch-dense-graphed", "torch-sebp-plan-graphed", "torch-bound-graphed"):
+    for name in ("torch-dense-graphed", "torch-sebp-plan-graphed", "torch-bound-graphed",
+                 "torch-dense-compiled-graphed", "torch-sebp-plan-compiled-graphed",
+                 "torch-bound-compiled-graphed"):
         runner = workloads.run_torch(spec, by_name[name], workloads.Settings(0, 1))
         assert next(runner)["platform"] == "cpu"
         with pytest.raises(ValueError, match=f"{name}: CUDA graphs need a CUDA device"):
