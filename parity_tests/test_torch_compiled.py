@@ -299,9 +299,10 @@ def _fake_backward_args(rows: str, need_x: bool, need_w: bool, bias: bool) -> tu
 
 @pytest.fixture
 def dw_split(monkeypatch):
-    """Sets dW's row split of the launch plans (sized from a GPU's SM count otherwise), with no
-    plan cached under another split before or after the test; skips where the ``triton_op`` never
-    runs."""
+    """Sets dW's row split of the launch plans (sized from a GPU's SM count otherwise) and the SM
+    count the dX launch is sized from (an H100's or H200's: fake CUDA tensors have no device to
+    ask), with no plan cached under another split before or after the test; skips where the
+    ``triton_op`` never runs."""
     if INTERPRET:
         pytest.skip("under the interpreter the triton_op is never called")
     pytest.importorskip("triton")
@@ -309,6 +310,7 @@ def dw_split(monkeypatch):
 
     def set_split(split: int) -> None:
         monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)
+        monkeypatch.setattr(kernels, "_sms", lambda device: 132)
         kernels._default_gemm_plan.cache_clear()
 
     yield set_split

@@ -66,6 +66,7 @@ def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
+  monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's or H200's
   M, N, K = 300, 3072, 768  # BERT-base's FFN down: dX on the narrow tile
   plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
                                   torch.device("cuda"), kernels.default_config(dtype, K))

@@ -655,6 +655,44 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("kept", ["none", "one", "scattered", "all"])
+@pytest.mark.parametrize("dx_slots", [False, True], ids=["in_place", "slots"])
+def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device):
+    """The dX launch is persistent: fewer programs than dX has tiles, each looping over its share
+    of those with work. Every row is still written once: the kept rows' dX, and the dropped rows'
+    zeros (in place) or the zero row they read (slots), with no kept row (the first row block
+    still runs, for row M), one, or all."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    dtype = torch.float32
+    # More dX tiles than the launch's programs (interpreter: 32 x 32 tiles, 16 programs; GPU:
+    # float32 64 x 64 tiles, two programs per SM).
+    rows, in_features = (300, IN_FEATURES) if device == "cpu" else (2200, 520)
+    gen = _generator("dx-programs", kept, dx_slots)
+    keep = {"none": torch.zeros(rows, dtype=torch.bool), "all": torch.ones(rows, dtype=torch.bool),
+            "one": torch.arange(rows) == rows - 1, "scattered": torch.rand(rows, generator=gen) < 0.4}[kept]
+    dy = torch.randn(rows, OUT_FEATURES, generator=gen) * keep[:, None]
+    x = torch.randn(rows, in_features, generator=gen).to(device)
+    weight = torch.randn(OUT_FEATURES, in_features, generator=gen).to(device)
+    perm, count = kernels.permutation_of(keep.to(device))
+    plan = kernels._default_gemm_plan(rows, OUT_FEATURES, in_features, dtype, True, True, False, True,
+                                      dx_slots, x.device)
+    config = kernels.default_config(dtype, in_features, kernels._INTERPRET)["dx"]
+    tiles = -(-rows // config["BLOCK_M"]) * -(-in_features // config["BLOCK_K"])
+    assert plan.dx_programs < tiles
+    with _uninitialized_memory_is_nan():
+        dx, dw, _ = kernels.sebp_gemms(dy.to(device), weight, x, perm, count, dtype, compacted=False,
+                                       dx_slots=dx_slots)
+    want_dx, want_dw, _ = reference_grads(x.cpu(), weight.cpu(), None, dy, keep)
+    if dx_slots:
+        assert dx.shape == (rows + 1, in_features) and not dx[rows].isnan().any() and not dx[rows].any()
+        dx = dx[torch.where(keep, keep.cumsum(0) - 1, rows).to(device)]
+    for got, want in zip((dx, dw), (want_dx, want_dw)):
+        assert_grad_close(got.cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_row_plan_other_leading_dims_score_dy(impl, device):
     """A layer whose leading dims are not the mask's (a pooler on ``(batch, hidden)``) ignores the
