@@ -17,17 +17,19 @@
 #   (launched from the host), and torch-sebp-compiled (rows scored in every layer).
 # * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
 #   (compilation alone takes minutes: each row's compile_s says how many seconds).
+# * layer: one layer's backward (benchmarks.layer_torch, checked against dense first) on
+#   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP, dense, SEBP (a planned layer's one launch
+#   among them) and cuBLAS on the kept rows only, replayed from CUDA graphs.
 # On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
-# CUDA_VISIBLE_DEVICES. (The one-layer benchmark, python -m benchmarks.layer_torch, is left out for
-# time.)
+# CUDA_VISIBLE_DEVICES.
 #
 # Every stage has its own time limit, so a slow or failing stage costs only its share. Each stage
 # writes its own files naming the card and library versions, and appends what it printed to
 # $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
 suite=${1:-eager}
-case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama) ;;
-  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama]" >&2
+case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama|layer) ;;
+  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama|layer]" >&2
      exit 2;;
 esac
 out=${OUT:-benchmarks/results}/torch
@@ -105,6 +107,10 @@ elif [ "$suite" = compiled-bert-host ]; then
   append "$out/bert_torch_compiled.md"
   stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
     "$out/bert_torch_compiled.json"
+elif [ "$suite" = layer ]; then
+  stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP)" $py -m benchmarks.layer_torch --check \
+    --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1 --out "$out/layer_torch.json"
+  append "$out/layer_torch.md"
 else
   stage 520 "LLaMA-3.2-3B b1 (torch.compile)" $py -m benchmarks.llama --tag torch_compiled \
     --out-dir "$out" --batches 1 --time-budget 510 --variant-timeout 300 --workloads piqa \
