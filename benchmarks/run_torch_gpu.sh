@@ -83,8 +83,9 @@ if [ "$suite" = eager ]; then
   stage 10 "speedups over torch dense, way to the torch bound" $py -m benchmarks.summary \
     "$out/bert_torch.json" "$out/llama_b1_torch.json"
 elif [ "$suite" = compiled-bert ]; then
-  stage 90 "GPU tests (torch.compile)" $py -m pytest parity_tests/test_torch_compiled.py \
-    parity_tests/test_torch_sebp_linear.py -k "compiled or inductor or plan_bias or traceable" -m gpu -q -x \
+  stage 100 "GPU tests (torch.compile, the GEMM launch)" $py -m pytest parity_tests/test_torch_compiled.py \
+    parity_tests/test_torch_sebp_linear.py parity_tests/test_torch_graph.py \
+    -k "compiled or inductor or plan_bias or traceable or dx_programs" -m gpu -q -x \
     -p no:cacheprovider --junitxml="$out/gpu_tests_torch_compiled.xml"
   # Three compilations and captures of 70-110 s each (2026-11-29, three workloads: 70 + 109 + 70 s).
   stage 320 "BERT-base b32 (torch.compile, CUDA-graphed)" $py -m benchmarks.bert \

@@ -144,9 +144,11 @@ def test_graphed_variants_are_refused_without_cuda():
 
 
 @pytest.mark.gpu
-def test_cuda_graphed_sebp_plan_step_matches_the_eager_step():
-    """Triton kernels under the row plan, captured in CUDA graphs: two loaded batches in turn
-    give the eager planned step's loss and gradients."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_graphed_sebp_plan_step_matches_the_eager_step(compiled):
+    """Triton kernels under the row plan, captured in CUDA graphs (``compiled``: the
+    torch.compile'd model's step, as the ``*-compiled-graphed`` benchmark rows run it): two
+    loaded batches in turn give the eager planned step's loss and gradients."""
     torch.manual_seed(0)
     model = _tiny_bert("cuda")
     apply_sebp(model, impl="triton")
@@ -154,7 +156,8 @@ def test_cuda_graphed_sebp_plan_step_matches_the_eager_step():
     wanted = [_eager_grads(model, b, row_plan(b["attention_mask"])) for b in loaded]
     # The benchmark's optimizer, with lr 0: the parameters stay the eager reference's.
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, capturable=True)
-    step = GraphedStep(model, optimizer, _batch(EXAMPLE_LENGTHS, 0, "cuda"), _planned)
+    step = GraphedStep(torch.compile(model) if compiled else model, optimizer,
+                       _batch(EXAMPLE_LENGTHS, 0, "cuda"), _planned)
     for batch, (want_loss, want_grads) in zip(loaded, wanted):
         loss, grads = _replayed(step, model, batch)
         assert_close(loss, want_loss, dtype="float32")
