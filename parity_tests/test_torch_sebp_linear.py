@@ -426,6 +426,12 @@ def _uninitialized_memory_is_nan():
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
+def _plan_places(keep: torch.Tensor, device) -> torch.Tensor:
+    """Each row's row in dX in the plan's order (``dx_slots``): its place among the kept rows, or
+    the zero row ``len(keep)`` for a dropped row."""
+    return torch.where(keep, keep.cumsum(0) - 1, keep.numel()).to(device)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -647,8 +653,7 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
         slotted, dw_slots, _ = kernels.sebp_gemms(dy, weight, x, perm, count, dtype, compacted=False,
                                                   bias_dtype=dtype, dx_slots=True)
     assert slotted.shape == (rows + 1, IN_FEATURES) and not slotted[rows].any()
-    places = torch.where(keep, keep.cumsum(0) - 1, rows).to(device)
-    torch.testing.assert_close(slotted[places], dx, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(slotted[_plan_places(keep, device)], dx, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(dw_slots, dw, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="`bias_dtype` needs `x`"):
         kernels.sebp_gemms(dy, weight, None, perm, count, dtype, compacted=False, bias_dtype=dtype)
@@ -686,8 +691,8 @@ def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device)
                                        dx_slots=dx_slots)
     want_dx, want_dw, _ = reference_grads(x.cpu(), weight.cpu(), None, dy, keep)
     if dx_slots:
-        assert dx.shape == (rows + 1, in_features) and not dx[rows].isnan().any() and not dx[rows].any()
-        dx = dx[torch.where(keep, keep.cumsum(0) - 1, rows).to(device)]
+        assert dx.shape == (rows + 1, in_features) and not dx[rows].any()  # NaN counts as any
+        dx = dx[_plan_places(keep, device)]
     for got, want in zip((dx, dw), (want_dx, want_dw)):
         assert_grad_close(got.cpu(), want, dtype)
 
