@@ -12,10 +12,9 @@ one, written as JSON rows that stand beside the JAX results in one table.
   run per layer): :func:`~sebp_torch_ref.kernels.sebp_gemms` on the full ``dY`` and ``X``, read
   through the plan's permutation, ``dX`` in the plan's order; the plan (the active prefixes) made
   once, outside the timing.
-* ``sebp_triton_plan_unsplit``: the same launch without v28's dX split (``dx_split=1``: each
-  tile's loop over ``N`` in one program), and ``sebp_triton_plan_per_tile``: also with one dX
-  program per tile of all ``M`` rows, as before v27's persistent dX programs (the A/Bs of those
-  changes; ``per_tile``'s eager time also rebuilds the launch plan per call, so compare graph times).
+* ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
+  before v27's persistent dX programs (the A/B of that change; its eager time also rebuilds the
+  launch plan per call, so compare graph times).
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -77,8 +76,8 @@ SHAPES = [
     ],
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-PLANNED = ("sebp_triton_plan", "sebp_triton_plan_unsplit", "sebp_triton_plan_per_tile")
-IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *PLANNED, "sebp_torch", "ideal")
+IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", "sebp_triton_plan", "sebp_triton_plan_per_tile",
+         "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
 
 
@@ -96,8 +95,8 @@ def make_case(shape: Shape, fraction: float, seed: int = 0):
 
 def backward_fn(impl: str, x, weight, dy, active: int):
     """A closure running the backward of ``impl`` once (the forward graph is built here)."""
-    if impl in PLANNED:
-        return _planned_launch(x, weight, dy, active, impl)
+    if impl.startswith("sebp_triton_plan"):
+        return _planned_launch(x, weight, dy, active, per_tile=impl.endswith("_per_tile"))
     if impl == "ideal":
         x = x.detach()[:, :active].reshape(-1, x.shape[-1]).contiguous().requires_grad_()
         dy = dy[:, :active].reshape(-1, dy.shape[-1]).contiguous()
@@ -122,14 +121,13 @@ def _reading_through_perm(fn):
     return run
 
 
-def _planned_launch(x, weight, dy, active: int, impl: str):
-    """The GEMM launch of a planned layer (``sebp_triton_plan``); ``_unsplit``: with ``dx_split=1``;
-    ``_per_tile``: also with one dX program per tile (an uncached launch plan, built per call)."""
+def _planned_launch(x, weight, dy, active: int, per_tile: bool):
+    """The GEMM launch of a planned layer (``sebp_triton_plan``); ``per_tile``: with one dX
+    program per tile (an uncached launch plan, built per call)."""
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     keep = (torch.arange(x.shape[1], device=x.device) < active).repeat(x.shape[0])
     perm, count = kernels.permutation_of(keep)
-    per_tile = impl.endswith("_per_tile")
-    config = None if impl == "sebp_triton_plan" else {**kernels.default_config(DTYPE, x.shape[-1]), "dx_split": 1}
+    config = kernels.default_config(DTYPE, x.shape[-1]) if per_tile else None
 
     def run():
         programs = kernels._dx_programs
@@ -167,9 +165,10 @@ def check(shape: Shape) -> None:
     for fraction in (1.0, 0.2, 0.02):
         x, weight, dy, active = make_case(shape, fraction, seed=1)
         want = backward_fn("dense", x, weight, dy, active)()
-        for impl in ("sebp_triton", "sebp_triton_gather", *PLANNED, "sebp_torch"):
+        for impl in ("sebp_triton", "sebp_triton_gather", "sebp_triton_plan", "sebp_triton_plan_per_tile",
+                     "sebp_torch"):
             got = backward_fn(impl, x, weight, dy, active)()
-            if impl in PLANNED:  # dX in the plan's order: back to every row
+            if impl.startswith("sebp_triton_plan"):  # dX in the plan's order: back to every row
                 rows = torch.arange(shape.rows, device=x.device)
                 kept_place = (rows // shape.seq) * active + rows % shape.seq
                 got = (got[0][torch.where(rows % shape.seq < active, kept_place, shape.rows)].reshape(x.shape),

@@ -53,31 +53,28 @@ _ROWS = [(True, False), (True, True), (False, False)]
 
 
 def _grads_cases():
-  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split, dx_split in itertools.product(
-      _POINTER, _PRODUCTS, _ROWS, (1, 3), (1, 8)):
-    if (split > 1 and not do_dw) or ((dx_slots or dx_split > 1) and not do_dx):
-      continue  # the same program as split 1 / without slots / dX unsplit
-    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_split,
-                       id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}"
-                          f"-split{split}-dxsplit{dx_split}")
+  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split in itertools.product(
+      _POINTER, _PRODUCTS, _ROWS, (1, 3)):
+    if (split > 1 and not do_dw) or (dx_slots and not do_dx):
+      continue  # the same program as split 1 / without slots
+    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split,
+                       id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}-split{split}")
 
 
-@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_split", list(_grads_cases()))
-def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_split):
+@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split", list(_grads_cases()))
+def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split):
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
   monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's or H200's
   M, N, K = 300, 3072, 768  # BERT-base's FFN down: dX on the narrow tile
-  config = {**kernels.default_config(dtype, K), "dx_split": dx_split}
   plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
-                                  torch.device("cuda"), config)
-  assert (plan.split, plan.dx_split) == (split if do_dw else 1, dx_split)
+                                  torch.device("cuda"), kernels.default_config(dtype, K))
+  assert plan.split == (split if do_dw else 1)
   pointer = _POINTER[dtype]
   _compile(kernels._grads_kernel, plan.gemm, dict(
     dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
-    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", dx_partial_ptr="*fp32",
-    db_partial_ptr="*fp32"))
+    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", db_partial_ptr="*fp32"))
 
 
 @pytest.mark.parametrize("dtype", list(_POINTER), ids=str)

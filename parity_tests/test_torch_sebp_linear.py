@@ -697,62 +697,6 @@ def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device)
         assert_grad_close(got.cpu(), want, dtype)
 
 
-# Kept rows for which the dX launch shares each tile's loop over N (12 column blocks) among 6,
-# 4 (5 asked for: an empty part dropped) or 2 programs, or does not split it (CPU: 16 programs,
-# 2 column blocks of K, 32-row blocks; GPU, fp32: 264 programs, 9 column blocks, 64-row blocks).
-_DX_SPLIT_COUNTS = {"cpu": (1, 40, 70, 250), "cuda": (1, 130, 600, 2000)}
-
-
-@pytest.mark.parametrize("device", [CPU, CUDA])
-@pytest.mark.parametrize("case", range(4), ids=["6_parts", "4_parts", "2_parts", "unsplit"])
-@pytest.mark.parametrize("dx_slots", [False, True], ids=["in_place", "slots"])
-def test_triton_dx_split_parts_add_up_to_each_tile(case, dx_slots, device):
-    """With few kept rows, the programs of a dX tile each sum a part of ``N`` and the last to arrive
-    adds the parts up: dX matches float64 autograd and the unsplit launch (``dx_split=1``), with
-    uninitialized memory NaN, and the same bits on a second call (the parts are added in order)."""
-    _skip_unavailable("triton", device)
-    from sebp_torch_ref import kernels
-
-    dtype = torch.float32
-    rows, in_features, out_features = (300, IN_FEATURES, 179) if device == "cpu" else (2200, 520, 355)
-    gen = _generator("dx-split", case, dx_slots)
-    keep = torch.zeros(rows, dtype=torch.bool)
-    keep[torch.randperm(rows, generator=gen)[:_DX_SPLIT_COUNTS[device][case]]] = True
-    dy = torch.randn(rows, out_features, generator=gen) * keep[:, None]
-    x = torch.randn(rows, in_features, generator=gen).to(device)
-    weight = torch.randn(out_features, in_features, generator=gen).to(device)
-    perm, count = kernels.permutation_of(keep.to(device))
-    config = kernels.default_config(dtype, in_features, kernels._INTERPRET)
-    assert config["dx_split"] >= 6
-
-    def grads(config):
-        with _uninitialized_memory_is_nan():
-            return kernels.sebp_gemms(dy.to(device), weight, x, perm, count, dtype, compacted=False,
-                                      dx_slots=dx_slots, config=config)[:2]
-
-    (dx, dw), (again, _), (unsplit, _) = grads(config), grads(config), grads({**config, "dx_split": 1})
-    want_dx, want_dw, _ = reference_grads(x.cpu(), weight.cpu(), None, dy, keep)
-    if dx_slots:
-        assert not dx[rows].any()  # NaN counts as any
-        places = _plan_places(keep, device)
-        dx, again, unsplit = dx[places], again[places], unsplit[places]
-    assert torch.equal(dx, again)
-    for got, want in zip((dx, unsplit, dw), (want_dx, want_dx, want_dw)):
-        assert_grad_close(got.cpu(), want, dtype)
-
-
-@pytest.mark.parametrize("dx_split", [0, 2.0, None])
-def test_sebp_gemms_rejects_a_bad_dx_split(dx_split):
-    _skip_unavailable("triton", "cpu")
-    from sebp_torch_ref import kernels
-
-    config = {**kernels.default_config(torch.float32, IN_FEATURES, interpret=True), "dx_split": dx_split}
-    dy, x, weight = torch.zeros(4, OUT_FEATURES), torch.zeros(4, IN_FEATURES), torch.zeros(OUT_FEATURES, IN_FEATURES)
-    perm, count = kernels.permutation_of(torch.ones(4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"config\['dx_split'\]"):
-        kernels.sebp_gemms(dy, weight, x, perm, count, torch.float32, compacted=False, config=config)
-
-
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_row_plan_other_leading_dims_score_dy(impl, device):

@@ -247,41 +247,19 @@ def _source_rows(perm_ptr, slots, kept, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _dx_store(acc, dx_ptr, rows, slots, cols, count, M, K, stride_dxm, stride_dxk, first_block,
-              BLOCK_K: tl.constexpr, DX_SLOTS: tl.constexpr):
-    """Stores a finished dX tile: slots in [count, M) hold dropped rows, whose accumulator stayed
-    zero; with ``DX_SLOTS`` only the kept slots, and by the first row block, its columns of row
-    ``M``: the zeros every dropped row reads."""
-    in_dx = (slots[:, None] < M) & (cols[None, :] < K)
-    if DX_SLOTS:
-        in_dx = in_dx & (slots[:, None] < count)  # only kept rows: dropped rows read row M
-    tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
-             acc.to(dx_ptr.dtype.element_ty), mask=in_dx)
-    if DX_SLOTS:
-        # Here, not by a torch zero_() on the row: under torch.compile that write to a slice of
-        # an empty buffer becomes a kernel writing the whole (M + 1, K) buffer.
-        if first_block:
-            tl.store(dx_ptr + tl.cast(M, tl.int64) * stride_dxm + cols * stride_dxk,
-                     tl.zeros((BLOCK_K,), dtype=dx_ptr.dtype.element_ty), mask=cols < K)
-
-
-@triton.jit
 def _dx_tile(
-    tile, part, parts, steps_per_part, dy_ptr, w_ptr, perm_ptr, dx_ptr, dx_partial_ptr, arrivals_ptr,
-    count, M, N, K, stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DX_SPLIT: tl.constexpr,
+    pid, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
 ):
-    """Part ``part`` of ``parts`` of one (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M,
-    ...) of perm, stored at rows perm[slot] of dX, zeros for the slots past ``count`` (dropped
-    rows); with ``DX_SLOTS``, the kept slots' rows stored at rows ``slot`` (dX in the plan's
-    order). A part sums ``steps_per_part`` column blocks of ``dY``'s ``N``; with several parts
-    each stores its float32 partial sum at place ``tile * parts + part`` and counts its arrival on
-    the tile, and the last to arrive adds the parts up in part order (deterministic, as dW's
-    split) and stores the tile."""
+    """One (BLOCK_M, BLOCK_K) tile of dX: slots [pid_m * BLOCK_M, ...) of perm, stored at rows
+    perm[slot] of dX, zeros for the slots past ``count`` (dropped rows); with ``DX_SLOTS``, the
+    kept slots' rows stored at rows ``slot`` (dX in the plan's order), and by the first row
+    block, its columns of row ``M``: the zeros every dropped row reads."""
     tiles_k = tl.cdiv(K, BLOCK_K)
-    pid_k = tile % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
-    pid_m = tile // tiles_k
+    pid_k = pid % tiles_k  # column blocks vary fastest: programs sharing dY rows run together
+    pid_m = pid // tiles_k
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     if DX_SLOTS:
@@ -292,8 +270,7 @@ def _dx_tile(
     if pid_m * BLOCK_M < count:
         kept = slots < count
         dy_rows = dy_ptr + _source_rows(perm_ptr, slots, kept, GATHER)[:, None] * stride_dym
-        start = part * steps_per_part * BLOCK_N
-        for n0 in range(start, tl.minimum(N, start + steps_per_part * BLOCK_N), BLOCK_N):
+        for n0 in range(0, N, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             dy = tl.load(dy_rows + ns[None, :] * stride_dyn, mask=kept[:, None] & (ns[None, :] < N), other=0.0)
             w = tl.load(
@@ -304,38 +281,18 @@ def _dx_tile(
             if UPCAST:
                 dy, w = dy.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(dy, w, acc, input_precision=INPUT_PRECISION)
-    # `DX_SPLIT == 1` first, decided when compiling: an unsplit launch holds none of the split's
-    # stores (as dW's `SPLIT`).
-    if DX_SPLIT == 1 or parts <= 1:
-        _dx_store(acc, dx_ptr, rows, slots, cols, count, M, K, stride_dxm, stride_dxk, pid_m == 0,
-                  BLOCK_K, DX_SLOTS)
-    else:
-        # int32 suffices: the parts of all tiles are at most the launch's programs (~2 per SM).
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-        tl.store(dx_partial_ptr + (tile * parts + part) * (BLOCK_M * BLOCK_K) + local, acc)
-        tl.debug_barrier()  # every thread's partial stored before the arrival counts (dW's split)
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
-        if arrived == parts - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for p in range(0, parts):
-                total += tl.load(dx_partial_ptr + (tile * parts + p) * (BLOCK_M * BLOCK_K) + local,
-                                 cache_modifier=".cg")
-            _dx_store(total, dx_ptr, rows, slots, cols, count, M, K, stride_dxm, stride_dxk, pid_m == 0,
-                      BLOCK_K, DX_SLOTS)
-
-
-@triton.jit
-def _dx_parts(work, dx_programs, N, BLOCK_N: tl.constexpr, DX_SPLIT: tl.constexpr):
-    """``(steps_per_part, parts)`` of the dX tiles with kept rows: with ``work`` such tiles for
-    ``dx_programs`` programs, each tile's loop over ``N`` is shared by up to ``dx_programs //
-    work`` programs (at most ``DX_SPLIT``, every part non-empty), so that few kept rows do not
-    leave a few programs looping over all of ``N`` while the rest of the GPU idles."""
-    steps = tl.cdiv(N, BLOCK_N)
-    if DX_SPLIT == 1:
-        per_part = steps
-    else:
-        per_part = tl.cdiv(steps, tl.minimum(tl.maximum(dx_programs // tl.maximum(work, 1), 1), DX_SPLIT))
-    return per_part, tl.cdiv(steps, per_part)
+    # Slots in [count, M) hold dropped rows: their accumulator stayed zero.
+    in_dx = (slots[:, None] < M) & (cols[None, :] < K)
+    if DX_SLOTS:
+        in_dx = in_dx & (slots[:, None] < count)  # only kept rows: dropped rows read row M
+    tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :] * stride_dxk,
+             acc.to(dx_ptr.dtype.element_ty), mask=in_dx)
+    if DX_SLOTS:
+        # Here, not by a torch zero_() on the row: under torch.compile that write to a slice of
+        # an empty buffer becomes a kernel writing the whole (M + 1, K) buffer.
+        if pid_m == 0:
+            tl.store(dx_ptr + tl.cast(M, tl.int64) * stride_dxm + cols * stride_dxk,
+                     tl.zeros((BLOCK_K,), dtype=dx_ptr.dtype.element_ty), mask=cols < K)
 
 
 @triton.jit
@@ -436,10 +393,10 @@ def _dw_tile(
 
 @triton.jit
 def _grads_kernel(
-    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, dx_partial_ptr, arrivals_ptr,
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
     db_ptr, db_partial_ptr, M, N, K, dw_programs, dx_programs,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
-    DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr, DX_SPLIT: tl.constexpr,
+    DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
@@ -448,13 +405,12 @@ def _grads_kernel(
     ``WITH_DB`` some also sum db), then ``dx_programs`` of dX. One launch, so that with few kept
     rows the two small GEMMs share the GPU.
 
-    dX's programs are persistent: each loops over every ``dx_programs``-th item of those with
-    work: the parts of the kept rows' tiles (:func:`_dx_parts`), then (in place) the dropped rows'
-    zero tiles, or (with ``DX_SLOTS``) the first row block when no row is kept, which writes row
-    ``M``. A program per tile of all ``M`` rows would launch thousands that find nothing to do
-    past ``count`` (BERT-base at batch 32: 1,536 dX tiles for ~24 with kept rows at 2.5 % real
-    tokens); the JAX dX launch is persistent for the same reason. The split's arrival counters
-    follow dW's in ``arrivals_ptr``."""
+    dX's programs are persistent: each loops over every ``dx_programs``-th tile of those with
+    work, the tiles of the kept rows' row blocks (and, in place, the dropped rows' zero tiles;
+    with ``DX_SLOTS``, at least the first row block, which writes row ``M``). A program per tile
+    of all ``M`` rows would launch thousands that find nothing to do past ``count`` (BERT-base at
+    batch 32: 1,536 dX tiles for ~24 with kept rows at 2.5 % real tokens); the JAX dX launch is
+    persistent for the same reason."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     dx_pid = pid
@@ -468,28 +424,15 @@ def _grads_kernel(
             )
     if DO_DX:
         if dx_pid >= 0:
-            tiles_k = tl.cdiv(K, DX_BLOCK_K)
-            work = tl.cdiv(count, DX_BLOCK_M) * tiles_k  # the tiles of the kept rows' row blocks
             if DX_SLOTS:
-                tiles = tl.maximum(work, tiles_k)
+                row_blocks = tl.maximum(tl.cdiv(count, DX_BLOCK_M), 1)
             else:
-                tiles = tl.cdiv(M, DX_BLOCK_M) * tiles_k
-            steps_per_part, parts = _dx_parts(work, dx_programs, N, DX_BLOCK_N, DX_SPLIT)
-            dx_arrivals_ptr = arrivals_ptr
-            if DO_DW:
-                if SPLIT > 1:
-                    dx_arrivals_ptr += tl.cdiv(K, DW_BLOCK_K) * tl.cdiv(N, DW_BLOCK_N)
-            split_items = work * parts
-            for item in range(dx_pid, split_items + tiles - work, dx_programs):
-                in_split = item < split_items  # else a tile with no kept row: no product, one part
-                tile = tl.where(in_split, item // parts, item - split_items + work)
-                part = tl.where(in_split, item % parts, 0)
-                tile_parts = tl.where(in_split, parts, 1)
+                row_blocks = tl.cdiv(M, DX_BLOCK_M)
+            for tile in range(dx_pid, row_blocks * tl.cdiv(K, DX_BLOCK_K), dx_programs):
                 _dx_tile(
-                    tile, part, tile_parts, steps_per_part, dy_ptr, w_ptr, perm_ptr, dx_ptr, dx_partial_ptr,
-                    dx_arrivals_ptr, count, M, N, K, stride_dym, stride_dyn, stride_wn, stride_wk,
-                    stride_dxm, stride_dxk, DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, DX_SPLIT, GATHER,
-                    INPUT_PRECISION, UPCAST, DX_SLOTS,
+                    tile, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
+                    stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
+                    DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST, DX_SLOTS,
                 )
 
 
@@ -513,25 +456,20 @@ _INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
 _SELECT_TILES = dict(BLOCK_M=32, BLOCK_N=256, num_warps=4)
 _INTERPRETER_SELECT_TILES = dict(BLOCK_M=16, BLOCK_N=64)
 _MAX_SPLIT = 8
-_MAX_DX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
 
 
 def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
     """Tiles and launch options of the GEMM launch for an operand dtype: ``{"dx": tile, "dw":
-    tile, "launch": {num_warps, num_stages}, "dx_split": parts}``. ``out_columns`` is dX's ``K``,
-    which picks the narrow dX tile where it is small; ``dx_split`` is the most parts a dX tile's
-    loop over ``N`` is shared by when few rows are kept (1: never split).
-    ``benchmarks/layer_torch.py --tune`` times alternatives.
+    tile, "launch": {num_warps, num_stages}}``. ``out_columns`` is dX's ``K``, which picks the
+    narrow dX tile where it is small. ``benchmarks/layer_torch.py --tune`` times alternatives.
     """
     if interpret:
-        return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={},
-                    dx_split=_MAX_DX_SPLIT)
+        return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
     width = dtype.itemsize
     narrow = ("dx", width, "narrow")
     dx = _TILES[narrow] if out_columns <= 1024 and narrow in _TILES else _TILES["dx", width]
-    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]),
-                dx_split=_MAX_DX_SPLIT)
+    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
 def _sms(device: torch.device) -> int:
@@ -631,34 +569,23 @@ class _GemmPlan:
     dx_programs: int
     dw_tiles: int
     split: int
-    dx_split: int
-    dx_partial: tuple[int, ...]  # the split dX parts' float32 partial sums, (places, BLOCK_M, BLOCK_K)
-    dx_counters: int  # the split dX tiles' arrival counters: at most one per program pair
     gemm: dict  # constexprs and launch options of _grads_kernel
 
 
 def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device, config) -> _GemmPlan:
     dx_tile, dw_tile = config["dx"], config["dw"]
-    if not (isinstance(config["dx_split"], int) and config["dx_split"] >= 1):
-        raise ValueError(f"sebp_gemms: `config['dx_split']` must be an int >= 1, got {config['dx_split']!r}")
     dx_tiles = triton.cdiv(K, dx_tile["BLOCK_K"]) * triton.cdiv(M, dx_tile["BLOCK_M"])
     dx_programs = _dx_programs(dx_tiles, device) if do_dx else 0
-    # A part per program at most, and no more parts than N has column blocks (`_dx_parts`).
-    dx_split = min(config["dx_split"], triton.cdiv(N, dx_tile["BLOCK_N"]), dx_programs) if do_dx else 1
-    dx_split = max(dx_split, 1)
-    # Split, a tile has at least 2 parts, so the places of all parts are at most the programs.
-    dx_partial = (min(dx_programs, dx_tiles * dx_split), dx_tile["BLOCK_M"], dx_tile["BLOCK_K"])
     dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
     split = _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), device) if do_dw else 1
     dw_programs = dw_tiles * split if do_dw else 0
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
-        DX_SPLIT=dx_split, DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
+        DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, DX_SLOTS=dx_slots,
         **_dot_options(dtype), **config["launch"],
     )
-    return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, dx_split,
-                     dx_partial, min(dx_tiles, dx_programs // 2), gemm)
+    return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -839,20 +766,15 @@ def sebp_gemms(
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
-    partial = dx_partial = arrivals = db_partial = count
-    if plan.split > 1:  # the slices' float32 partial sums
+    partial = arrivals = db_partial = count
+    if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
+        arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
-    if plan.dx_split > 1:  # the dX parts' float32 partial sums
-        dx_partial = torch.empty(plan.dx_partial, dtype=torch.float32, device=device)
-    # Each split tile's count of arrived slices (dW's tiles first, then dX's): one memset.
-    counters = (plan.dw_tiles if plan.split > 1 else 0) + (plan.dx_counters if plan.dx_split > 1 else 0)
-    if counters:
-        arrivals = torch.zeros(counters, dtype=torch.int32, device=device)
     _launcher(_grads_kernel, traceable)[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
-        dy if dx is None else dx, dy if dw is None else dw, partial, dx_partial, arrivals,
+        dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
         count if db is None else db, db_partial, M, N, K, plan.dw_programs, plan.dx_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
         *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
