@@ -107,3 +107,18 @@ def test_rank_key_kernel_compiles(dtype):
 
   _compile(kernels._rank_key_kernel, dict(kernels._select_plan(4096).select),
            dict(dy_ptr=_POINTER[dtype], key_ptr="*fp32"), floats=("threshold",))
+
+
+@pytest.mark.parametrize("with_db", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("split", [1, 7])
+def test_narrow_dx_launch_fits_two_programs_per_sm(with_db, split):
+  """The launch plan sizes dW's split and the persistent dX launch for two programs per SM; on
+  BERT-base's 768-wide layers (the narrow dX tile) two must fit: registers at most 128 per thread
+  at 8 warps. Before the dW fix-up went a quarter tile at a time and db's column sums through the
+  MMA, these launches held 164-172 registers, one program per SM (NOTES_torch, "Why: one program
+  per SM"). The wide dX tile (dX wider than 1024) still holds ~168: one per SM, measured next."""
+  from benchmarks.launch_resources_torch import launch_resources
+
+  resources = launch_resources(16384, 768, 768, torch.bfloat16, with_db=with_db, split=split)
+  assert resources.dw_split == split and resources.spill_bytes == 0
+  assert resources.programs_per_sm >= 2, resources

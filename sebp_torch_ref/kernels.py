@@ -318,8 +318,9 @@ def _dw_tile(
     stores the tile, so the split costs no second launch.
 
     ``WITH_DB``: the tiles of the first column block of K also sum the ``dY`` columns they load
-    over the kept rows, which is ``db`` (the dropped rows are zero under a row plan): ``dY`` is
-    read once for both, and the split's partial sums and last arrival serve ``db`` alike.
+    over the kept rows (a second MMA, with ones), which is ``db`` (the dropped rows are zero under
+    a row plan): ``dY`` is read once for both, and the split's partial sums and last arrival serve
+    ``db`` alike.
     """
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tiles_k * tl.cdiv(N, BLOCK_N)
@@ -331,11 +332,9 @@ def _dw_tile(
         end = tl.minimum(count, start + per_split * BLOCK_M)
         ns = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-        offsets = ns[:, None] * K + ks[None, :]
-        in_tile = (ns[:, None] < N) & (ks[None, :] < K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         first_k = tile % tiles_k == 0
-        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db_acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
             slots = m0 + tl.arange(0, BLOCK_M)
             kept = slots < end
@@ -355,7 +354,16 @@ def _dw_tile(
             acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
             if WITH_DB:
                 if first_k:
-                    db_acc += tl.sum(dy.to(tl.float32), axis=0)
+                    # db's column sums by the MMA, dY^T times a block of ones (16: the narrowest
+                    # dot): summing the tile's rows would first copy dY from shared memory into
+                    # registers, ~40 more per thread (ptxas, 2026-11-29).
+                    ones = tl.full((BLOCK_M, 16), 1.0, dtype=dy.dtype)
+                    db_acc = tl.dot(tl.trans(dy), ones, db_acc, input_precision=INPUT_PRECISION)
+        if WITH_DB:
+            db_acc = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, db_acc, 0.0), axis=1)  # column 0
+        # The tile's addresses, here rather than before the loop, where they would stay live.
+        offsets = ns[:, None] * K + ks[None, :]
+        in_tile = (ns[:, None] < N) & (ks[None, :] < K)
         # `SPLIT == 1` first, decided when compiling, so that an unsplit program holds none of the
         # split's stores: torch's analysis of a traced launch would take its partial sums' arguments
         # as written.
@@ -376,12 +384,18 @@ def _dw_tile(
             tl.debug_barrier()
             arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
             if arrived == used - 1:
-                total = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-                for s in range(0, used):
-                    # .cg: read at L2, where the other slices' stores are, not through L1.
-                    total += tl.load(partial_ptr + s * slice_size + offsets, mask=in_tile, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(dw_ptr + offsets, total.to(dw_ptr.dtype.element_ty), mask=in_tile)
+                # A quarter of the tile's rows at a time: the whole tile's sum and addresses
+                # would hold more registers than the main loop, and halve the programs per SM.
+                for r0 in tl.static_range(0, BLOCK_N, BLOCK_N // 4):
+                    part_ns = (tile // tiles_k) * BLOCK_N + r0 + tl.arange(0, BLOCK_N // 4)
+                    part_offsets = part_ns[:, None] * K + ks[None, :]
+                    part_in = (part_ns[:, None] < N) & (ks[None, :] < K)
+                    total = tl.zeros((BLOCK_N // 4, BLOCK_K), dtype=tl.float32)
+                    for s in range(0, used):
+                        # .cg: read at L2, where the other slices' stores are, not through L1.
+                        total += tl.load(partial_ptr + s * slice_size + part_offsets, mask=part_in, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(dw_ptr + part_offsets, total.to(dw_ptr.dtype.element_ty), mask=part_in)
                 if WITH_DB:
                     if first_k:
                         db_total = tl.zeros((BLOCK_N,), dtype=tl.float32)
