@@ -119,6 +119,6 @@ def test_narrow_dx_launch_fits_two_programs_per_sm(with_db, split):
   per SM"). The wide dX tile (dX wider than 1024) still holds ~168: one per SM, measured next."""
   from benchmarks.launch_resources_torch import launch_resources
 
-  resources = launch_resources(16384, 768, 768, torch.bfloat16, with_db=with_db, split=split)
-  assert resources.dw_split == split and resources.spill_bytes == 0
+  resources, plan = launch_resources(16384, 768, 768, torch.bfloat16, with_db=with_db, split=split)
+  assert plan.split == split and resources.spill_bytes == 0
   assert resources.programs_per_sm >= 2, resources
