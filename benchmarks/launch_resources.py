@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import tempfile
 
@@ -28,7 +27,7 @@ from jax import export
 from jax._src.lib.mlir import ir as mlir
 from jax._src.lib.triton import dialect as triton_dialect
 
-from benchmarks.ptx_resources import SMS, TARGET, Resources, resources
+from benchmarks.ptx_resources import SMS, TARGET, Resources, resources, write_report
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.policy import RowPolicy
 
@@ -129,22 +128,16 @@ def main() -> None:
         for launch in launches:
             rows.append(dict(layer=name, M=M, K=K, N=N, kernel=launch.kernel, grid=launch.grid,
                              num_stages=launch.num_stages, **dataclasses.asdict(launch.resources),
+                             shared_kb=launch.resources.shared_bytes // 1024,
                              programs_per_sm=launch.resources.programs_per_sm, waves=round(launch.waves, 2),
                              config=dataclasses.asdict(config), jax=jax.__version__, triton=triton.__version__))
             print({k: v for k, v in rows[-1].items() if k != "config"}, flush=True)
-    lines = [f"Each kernel of one layer's Pallas backward (bf16, Hopper tiles, {SMS} SMs), Triton IR from jax "
-             f"{jax.__version__}, compiled for sm_90 by Triton {triton.__version__} on CPU. waves: programs "
-             "launched over the programs that fit on all SMs at once.", "",
-             "| layer | kernel | programs | warps | stages | registers | spill bytes | shared KB | per SM | waves |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['kernel']} | {r['grid']} | {r['num_warps']} | {r['num_stages']} | "
-              f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] // 1024} | {r['programs_per_sm']} | "
-              f"{r['waves']} |" for r in rows]
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(args.out.removesuffix(".json") + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-
+    write_report(args.out, rows, f"Each kernel of one layer's Pallas backward (bf16, Hopper tiles, {SMS} SMs), "
+                 f"Triton IR from jax {jax.__version__}, compiled for sm_90 by Triton {triton.__version__} on "
+                 "CPU. waves: programs launched over the programs that fit on all SMs at once.",
+                 dict(layer="layer", kernel="kernel", grid="programs", num_warps="warps", num_stages="stages",
+                      registers="registers", spill_bytes="spill bytes", shared_kb="shared KB",
+                      programs_per_sm="per SM", waves="waves"))
 
 if __name__ == "__main__":
     main()

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 import triton
 from triton.compiler import ASTSource
 
-from benchmarks.ptx_resources import SMS, TARGET, Resources, resources
+from benchmarks.ptx_resources import SMS, TARGET, Resources, resources, write_report
 from sebp_torch_ref import kernels
 
 _POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
@@ -79,20 +78,14 @@ def main() -> None:
     for name, M, N, K, bias in LAYERS:
         res, plan = launch_resources(M, N, K, torch.bfloat16, with_db=bias)
         rows.append(dict(layer=name, M=M, N=N, K=K, bias=bias, dw_split=plan.split, dx_programs=plan.dx_programs,
-                         **dataclasses.asdict(res), programs_per_sm=res.programs_per_sm, triton=triton.__version__))
+                         **dataclasses.asdict(res), shared_kb=res.shared_bytes // 1024,
+                         programs_per_sm=res.programs_per_sm, triton=triton.__version__))
         print(rows[-1], flush=True)
-    lines = [f"The planned GEMM launch of each layer, bf16, compiled for sm_90 by Triton {triton.__version__} "
-             f"on CPU ({SMS} SMs assumed); the launch plan assumes 2 programs per SM.", "",
-             "| layer | bias | dW split | dX programs | registers | spill bytes | shared KB | warps | programs per SM |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['bias']} | {r['dw_split']} | {r['dx_programs']} | {r['registers']} | "
-              f"{r['spill_bytes']} | {r['shared_bytes'] // 1024} | {r['num_warps']} | {r['programs_per_sm']} |"
-              for r in rows]
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(args.out.removesuffix(".json") + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-
+    write_report(args.out, rows, f"The planned GEMM launch of each layer, bf16, compiled for sm_90 by Triton "
+                 f"{triton.__version__} on CPU ({SMS} SMs assumed); the launch plan assumes 2 programs per SM.",
+                 dict(layer="layer", bias="bias", dw_split="dW split", dx_programs="dX programs",
+                      registers="registers", spill_bytes="spill bytes", shared_kb="shared KB", num_warps="warps",
+                      programs_per_sm="programs per SM"))
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 import subprocess
 import tempfile
@@ -55,3 +56,14 @@ def resources(compiled, num_warps: int) -> Resources:
     spills = re.search(r"(\d+) bytes spill stores", report)
     return Resources(int(re.search(r"Used (\d+) registers", report).group(1)),
                      int(spills.group(1)) if spills else 0, compiled.metadata.shared, num_warps)
+
+
+def write_report(path: str, rows: list[dict], caption: str, columns: dict[str, str]) -> None:
+    """``rows`` as JSON at ``path`` and as a markdown table beside it (``.md``): ``caption``, then
+    one line per row of the ``columns`` (key: header)."""
+    lines = [caption, "", "| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[key]) for key in columns) + " |" for row in rows]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(path.removesuffix(".json") + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
