@@ -216,6 +216,23 @@ def tune(shape: Shape, fraction: float) -> None:
         print(f"tune {shape.name} f={fraction} {kernel}: default {default_ms:.3f}ms; best {best}")
 
 
+def compiled_launches() -> list[dict]:
+    """Each variant of the GEMM launch's kernel compiled in this process, as the GPU loaded it:
+    registers and spills per thread, shared memory and warps, with the constexprs that tell the
+    variants apart (a check of ``benchmarks.launch_resources_torch``'s reading on CPU)."""
+    kernel, rows = kernels._grads_kernel, []
+    for cache, *_ in kernel.device_caches.values():
+        for compiled in cache.values():
+            names = {kernel.arg_names[key[0] if isinstance(key, tuple) else key]: value
+                     for key, value in compiled.src.constants.items()}
+            rows.append(dict(
+                n_regs=compiled.n_regs, n_spills=compiled.n_spills, shared=compiled.metadata.shared,
+                num_warps=compiled.metadata.num_warps,
+                **{k: names[k] for k in ("DX_BLOCK_M", "DX_BLOCK_K", "SPLIT", "WITH_DB", "GATHER", "DX_SLOTS")
+                   if k in names}))
+    return rows
+
+
 def markdown_table(rows: list[dict]) -> str:
     """One line per (shape, fraction): eager and CUDA-graph times of every impl, and the speedup."""
     by_case: dict[tuple, dict[str, dict]] = {}
@@ -296,6 +313,11 @@ def main() -> None:
     with open(table_path, "w") as f:
         f.write(markdown_table(rows))
     print(f"wrote {len(rows)} rows to {args.out} and a table to {table_path}")
+    launches = compiled_launches()
+    with open(table_path, "a") as f:
+        f.write("\nThe GEMM launch's compiled variants, as loaded on this GPU:\n\n"
+                + "\n".join(f"* {launch}" for launch in launches) + "\n")
+    print("\n".join(str(launch) for launch in launches))
 
 
 if __name__ == "__main__":
