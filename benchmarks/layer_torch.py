@@ -13,8 +13,10 @@ one, written as JSON rows that stand beside the JAX results in one table.
   through the plan's permutation, ``dX`` in the plan's order; the plan (the active prefixes) made
   once, outside the timing.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
-  before v27's persistent dX programs (the A/B of that change; its eager time also rebuilds the
-  launch plan per call, so compare graph times).
+  before v27's persistent dX programs, and ``sebp_triton_plan_one_per_sm``: with its persistent
+  dX programs and dW split sized for one program per SM instead of two (what fits where the wide
+  dX tile holds ~168 registers, ``benchmarks.launch_resources_torch``). A/Bs of the launch's
+  sizing; their eager times also rebuild the launch plan per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -76,8 +78,16 @@ SHAPES = [
     ],
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", "sebp_triton_plan", "sebp_triton_plan_per_tile",
-         "sebp_torch", "ideal")
+# The planned launch as sized by default, and its sizing A/Bs: private sizing functions replaced.
+_SIZINGS = {
+    "sebp_triton_plan": {},
+    "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
+    "sebp_triton_plan_one_per_sm": dict(
+        _dx_programs=lambda tiles, device: min(tiles, kernels._sms(device)),
+        _dw_split=lambda tiles, row_blocks, device: max(
+            1, min(kernels._MAX_SPLIT, round(kernels._sms(device) / tiles), row_blocks))),
+}
+IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
 
 
@@ -95,8 +105,8 @@ def make_case(shape: Shape, fraction: float, seed: int = 0):
 
 def backward_fn(impl: str, x, weight, dy, active: int):
     """A closure running the backward of ``impl`` once (the forward graph is built here)."""
-    if impl.startswith("sebp_triton_plan"):
-        return _planned_launch(x, weight, dy, active, per_tile=impl.endswith("_per_tile"))
+    if impl in _SIZINGS:
+        return _planned_launch(x, weight, dy, active, _SIZINGS[impl])
     if impl == "ideal":
         x = x.detach()[:, :active].reshape(-1, x.shape[-1]).contiguous().requires_grad_()
         dy = dy[:, :active].reshape(-1, dy.shape[-1]).contiguous()
@@ -121,23 +131,24 @@ def _reading_through_perm(fn):
     return run
 
 
-def _planned_launch(x, weight, dy, active: int, per_tile: bool):
-    """The GEMM launch of a planned layer (``sebp_triton_plan``); ``per_tile``: with one dX
-    program per tile (an uncached launch plan, built per call)."""
+def _planned_launch(x, weight, dy, active: int, sizing: dict):
+    """The GEMM launch of a planned layer (``sebp_triton_plan``), with ``sizing``'s functions in
+    place of the kernels module's (then an uncached launch plan, built per call)."""
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     keep = (torch.arange(x.shape[1], device=x.device) < active).repeat(x.shape[0])
     perm, count = kernels.permutation_of(keep)
-    config = kernels.default_config(DTYPE, x.shape[-1]) if per_tile else None
+    config = kernels.default_config(DTYPE, x.shape[-1]) if sizing else None
 
     def run():
-        programs = kernels._dx_programs
-        if per_tile:
-            kernels._dx_programs = lambda tiles, device: tiles
+        saved = {name: getattr(kernels, name) for name in sizing}
+        for name, function in sizing.items():
+            setattr(kernels, name, function)
         try:
             return kernels.sebp_gemms(dy2, weight.detach(), x2, perm, count, DTYPE, compacted=False,
                                       config=config, dx_slots=True)
         finally:
-            kernels._dx_programs = programs
+            for name, function in saved.items():
+                setattr(kernels, name, function)
     return run
 
 
@@ -165,10 +176,9 @@ def check(shape: Shape) -> None:
     for fraction in (1.0, 0.2, 0.02):
         x, weight, dy, active = make_case(shape, fraction, seed=1)
         want = backward_fn("dense", x, weight, dy, active)()
-        for impl in ("sebp_triton", "sebp_triton_gather", "sebp_triton_plan", "sebp_triton_plan_per_tile",
-                     "sebp_torch"):
+        for impl in ("sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch"):
             got = backward_fn(impl, x, weight, dy, active)()
-            if impl.startswith("sebp_triton_plan"):  # dX in the plan's order: back to every row
+            if impl in _SIZINGS:  # dX in the plan's order: back to every row
                 rows = torch.arange(shape.rows, device=x.device)
                 kept_place = (rows // shape.seq) * active + rows % shape.seq
                 got = (got[0][torch.where(rows % shape.seq < active, kept_place, shape.rows)].reshape(x.shape),
