@@ -78,14 +78,11 @@ SHAPES = [
     ],
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-# The planned launch as sized by default, and its sizing A/Bs: private sizing functions replaced.
+# The planned launch as sized by default, and its sizing A/Bs: private sizing attributes replaced.
 _SIZINGS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
-    "sebp_triton_plan_one_per_sm": dict(
-        _dx_programs=lambda tiles, device: min(tiles, kernels._sms(device)),
-        _dw_split=lambda tiles, row_blocks, device: max(
-            1, min(kernels._MAX_SPLIT, round(kernels._sms(device) / tiles), row_blocks))),
+    "sebp_triton_plan_one_per_sm": dict(_PROGRAMS_PER_SM=1),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
@@ -132,7 +129,7 @@ def _reading_through_perm(fn):
 
 
 def _planned_launch(x, weight, dy, active: int, sizing: dict):
-    """The GEMM launch of a planned layer (``sebp_triton_plan``), with ``sizing``'s functions in
+    """The GEMM launch of a planned layer (``sebp_triton_plan``), with ``sizing``'s attributes in
     place of the kernels module's (then an uncached launch plan, built per call)."""
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     keep = (torch.arange(x.shape[1], device=x.device) < active).repeat(x.shape[0])
@@ -141,14 +138,14 @@ def _planned_launch(x, weight, dy, active: int, sizing: dict):
 
     def run():
         saved = {name: getattr(kernels, name) for name in sizing}
-        for name, function in sizing.items():
-            setattr(kernels, name, function)
+        for name, value in sizing.items():
+            setattr(kernels, name, value)
         try:
             return kernels.sebp_gemms(dy2, weight.detach(), x2, perm, count, DTYPE, compacted=False,
                                       config=config, dx_slots=True)
         finally:
-            for name, function in saved.items():
-                setattr(kernels, name, function)
+            for name, value in saved.items():
+                setattr(kernels, name, value)
     return run
 
 

@@ -471,6 +471,10 @@ _SELECT_TILES = dict(BLOCK_M=32, BLOCK_N=256, num_warps=4)
 _INTERPRETER_SELECT_TILES = dict(BLOCK_M=16, BLOCK_N=64)
 _MAX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
+# Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
+# sized for. Two fit where a program holds at most 128 registers at 8 warps
+# (`benchmarks/launch_resources_torch.py`: BERT's 768-wide launches; the wide dX tile's fit one).
+_PROGRAMS_PER_SM = 2
 
 
 def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
@@ -491,14 +495,15 @@ def _sms(device: torch.device) -> int:
 
 
 def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
-    """Row slices of dW: about two programs per SM over the output tiles, at most one per block."""
-    return max(1, min(_MAX_SPLIT, round(2 * _sms(device) / tiles), row_blocks))
+    """Row slices of dW: about ``_PROGRAMS_PER_SM`` programs per SM over the output tiles, at most
+    one per block."""
+    return max(1, min(_MAX_SPLIT, round(_PROGRAMS_PER_SM * _sms(device) / tiles), row_blocks))
 
 
 def _dx_programs(tiles: int, device: torch.device) -> int:
-    """Programs of the persistent dX launch: two per SM (as dW's split aims for), at most one per
-    tile of all ``M`` rows."""
-    return max(1, min(tiles, 2 * _sms(device)))
+    """Programs of the persistent dX launch: ``_PROGRAMS_PER_SM`` per SM (as dW's split aims for),
+    at most one per tile of all ``M`` rows."""
+    return max(1, min(tiles, _PROGRAMS_PER_SM * _sms(device)))
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
