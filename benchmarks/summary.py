@@ -37,12 +37,12 @@ REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound"),
               "torch-compiled-graphed": ("torch-dense-compiled-graphed",
                                          "torch-bound-compiled-graphed"),
               "jax-cmdbuf": ("jax-dense-cmdbuf", "jax-bound-cmdbuf")}
+# The keys' suffixes after the framework, longest first: "-compiled-graphed" before "-graphed".
+_SUFFIXES = sorted({key[key.find("-"):] for key in REFERENCES if "-" in key}, key=len, reverse=True)
 
 
 def _references(row: dict) -> tuple[str, str]:
-  suffix = next((s for s in ("-compiled-graphed", "-graphed", "-compiled", "-cmdbuf")
-                 if row["variant"].endswith(s)),
-                "")
+  suffix = next((s for s in _SUFFIXES if row["variant"].endswith(s)), "")
   return REFERENCES[row["framework"] + suffix]
 
 
