@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import re
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +95,8 @@ def _triton_calls(module: str):
 def layer_launches(num_rows: int, in_features: int, out_features: int, dtype=jnp.bfloat16):
     """Each kernel launch of one layer's backward (default policy) with Hopper's tiles, and the
     :class:`~sebp_jax.backends.pallas.BlockConfig` they come from."""
-    saved = pallas_backend._gpu_generation, pallas_backend._sm_count
-    pallas_backend._gpu_generation, pallas_backend._sm_count = (lambda: "hopper"), (lambda: SMS)
-    try:
+    with mock.patch.multiple(pallas_backend, _gpu_generation=lambda: "hopper", _sm_count=lambda: SMS):
         config = pallas_backend.block_config(num_rows, in_features, out_features, dtype)
-    finally:
-        pallas_backend._gpu_generation, pallas_backend._sm_count = saved
     shapes = [jax.ShapeDtypeStruct(s, dtype) for s in
               ((num_rows, in_features), (in_features, out_features), (num_rows, out_features))]
     backward = jax.jit(lambda x, k, dy: pallas_backend.backward(x, k, dy, policy=RowPolicy(), config=config))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from unittest import mock
 
 import torch
 import triton
@@ -43,15 +44,10 @@ def launch_resources(M: int, N: int, K: int, dtype: torch.dtype, *, with_db: boo
                      dx_slots: bool = True, split: int | None = None) -> tuple[Resources, kernels._GemmPlan]:
     """The GEMM launch (dX and dW) of one layer as its plan builds it for a GPU of ``SMS`` SMs
     (``split`` overrides dW's), compiled for sm_90: what one program holds, and the plan."""
-    saved = kernels._sms, kernels._dw_split
-    kernels._sms = lambda device: SMS
-    if split is not None:
-        kernels._dw_split = lambda *_: split
-    try:
+    sizing = dict(_sms=lambda device: SMS, **({} if split is None else dict(_dw_split=lambda *_: split)))
+    with mock.patch.multiple(kernels, **sizing):
         plan = kernels._build_gemm_plan(M, N, K, dtype, True, True, with_db, gather, dx_slots,
                                         torch.device("cuda"), kernels.default_config(dtype, K))
-    finally:
-        kernels._sms, kernels._dw_split = saved
     constants = dict(plan.gemm)
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
     kernel = kernels._grads_kernel

@@ -34,10 +34,12 @@ Usage: ``python -m benchmarks.layer_torch --out benchmarks/results/torch_layer_<
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -137,15 +139,9 @@ def _planned_launch(x, weight, dy, active: int, sizing: dict):
     config = kernels.default_config(DTYPE, x.shape[-1]) if sizing else None
 
     def run():
-        saved = {name: getattr(kernels, name) for name in sizing}
-        for name, value in sizing.items():
-            setattr(kernels, name, value)
-        try:
+        with mock.patch.multiple(kernels, **sizing) if sizing else contextlib.nullcontext():
             return kernels.sebp_gemms(dy2, weight.detach(), x2, perm, count, DTYPE, compacted=False,
                                       config=config, dx_slots=True)
-        finally:
-            for name, value in saved.items():
-                setattr(kernels, name, value)
     return run
 
 
