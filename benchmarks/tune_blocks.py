@@ -42,6 +42,10 @@ CANDIDATES = {
   "dx128_s4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=4),
   "dx128x256_n32_s4": _Config(dx_m=128, dx_k=256, dx_n=32, dx_warps=8, dx_stages=4),
   "dw_w4": _Config(dw_warps=4),
+  # One dW program per SM at 8 warps (151-159 registers, benchmarks/NOTES.md "Launch
+  # resources"): BERT FFN's 144 tiles run in 1.09 waves; a 64-wide tile fits three per SM (78
+  # registers) and 288 programs run in 0.73 waves.
+  "dw_k64": _Config(dw_k=64),
   "dw128x256_m32_s4": _Config(dw_k=128, dw_n=256, dw_m=32, dw_warps=8, dw_stages=4),
   "dw256x128": _Config(dw_k=256, dw_n=128, dw_m=64, dw_warps=8),
   # Few kept rows: each dW program loads one or two row blocks and stores its tile, so the time
