@@ -13,10 +13,10 @@ one, written as JSON rows that stand beside the JAX results in one table.
   through the plan's permutation, ``dX`` in the plan's order; the plan (the active prefixes) made
   once, outside the timing.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
-  before v27's persistent dX programs, and ``sebp_triton_plan_one_per_sm``: with its persistent
-  dX programs and dW split sized for one program per SM instead of two (what fits where the wide
-  dX tile holds ~168 registers, ``benchmarks.launch_resources_torch``). A/Bs of the launch's
-  sizing; their eager times also rebuild the launch plan per call, so compare graph times.
+  before v27's persistent dX programs, and ``sebp_triton_plan_min_slice_{1,8,32}``: dW's split
+  using a slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice
+  per block up to the split). A/Bs of the launch's sizing; their eager times also rebuild the
+  launch plan per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -84,7 +84,7 @@ FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
 _SIZINGS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
-    "sebp_triton_plan_one_per_sm": dict(_PROGRAMS_PER_SM=1),
+    **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8, 32)},
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16

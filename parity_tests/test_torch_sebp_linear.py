@@ -660,6 +660,54 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+# kept row blocks -> dW slices that count their arrival (0: one slice, which stores dW itself)
+@pytest.mark.parametrize("blocks, arrivals", [(0, 0), (1, 0), (3, 0), (4, 2), (7, 3), (10, 4)])
+def test_triton_dw_slices_take_at_least_min_slice_blocks(monkeypatch, blocks, arrivals, device):
+    """dW's split uses as many of its slices as the kept rows fill with at least the minimum of
+    row blocks each (here 2 blocks, at most 4 slices): fewer kept rows, fewer slices, down to
+    none split. dW and db are the kept rows' sums whatever the slices."""
+    _skip_unavailable("triton", device)
+    from sebp_torch_ref import kernels
+
+    monkeypatch.setattr(kernels, "_MIN_SLICE_BLOCKS", 2)
+    monkeypatch.setattr(kernels, "_INTERPRETER_MIN_SLICE_BLOCKS", 2)
+    monkeypatch.setattr(kernels, "_dw_split", lambda *_: 4)
+    launches = []
+    launcher = kernels._launcher
+    monkeypatch.setattr(kernels, "_launcher", lambda kernel, traceable: _Recorded(
+        launcher(kernel, traceable), launches))
+    dtype = torch.float32
+    config = kernels.default_config(dtype, IN_FEATURES, interpret=kernels._INTERPRET)
+    block_m = config["dw"]["BLOCK_M"]
+    rows = 10 * block_m
+    keep = torch.arange(rows) < blocks * block_m - block_m // 2  # the last kept block part full
+    gen = _generator("dw-slices", blocks)
+    dy = torch.randn(rows, OUT_FEATURES, generator=gen) * keep[:, None]
+    x = torch.randn(rows, IN_FEATURES, generator=gen)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen)
+    perm, count = kernels.permutation_of(keep.to(device))
+    dx, dw, db = kernels.sebp_gemms(dy.to(device), weight.to(device), x.to(device), perm, count, dtype,
+                                    compacted=False, bias_dtype=dtype, config=config)
+    arrived = launches[-1][8]  # the launch's arrivals: per dW tile, the slices that counted in
+    assert (arrived.cpu() == arrivals).all()
+    for got, want in zip((dx, dw, db), reference_grads(x, weight, True, dy, keep, masked_db=True)):
+        assert_grad_close(got.cpu(), want, dtype)
+
+
+class _Recorded:
+    """A kernel launcher (``launcher[grid](*args)``) that also appends each launch's arguments."""
+
+    def __init__(self, launcher, launches: list):
+        self.launcher, self.launches = launcher, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(args)
+            return self.launcher[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("kept", ["none", "one", "scattered", "all"])
 @pytest.mark.parametrize("dx_slots", [False, True], ids=["in_place", "slots"])
 def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device):

@@ -296,10 +296,12 @@ def _dx_tile(
 
 
 @triton.jit
-def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
-    """Row blocks per slice and slices in use when ``count`` rows are split ``SPLIT`` ways."""
+def _split_rows(count, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, MIN_SLICE: tl.constexpr):
+    """Row blocks per slice and slices in use when ``count`` rows are split at most ``SPLIT``
+    ways, each slice taking at least ``MIN_SLICE`` row blocks (all of them when fewer)."""
     blocks = tl.cdiv(count, BLOCK_M)
-    per_split = tl.maximum(tl.cdiv(blocks, SPLIT), 1)
+    slices = tl.minimum(tl.maximum(blocks // MIN_SLICE, 1), SPLIT)
+    per_split = tl.maximum(tl.cdiv(blocks, slices), 1)
     return per_split, tl.cdiv(blocks, per_split)
 
 
@@ -308,9 +310,12 @@ def _dw_tile(
     pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr, count, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_DB: tl.constexpr,
+    MIN_SLICE: tl.constexpr, GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WITH_DB: tl.constexpr,
 ):
-    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows.
+    """One (BLOCK_N, BLOCK_K) tile of dW over one slice of the kept rows (slices of at least
+    ``MIN_SLICE`` row blocks: fewer kept rows use fewer slices, and the programs of the others
+    return at once).
 
     With one slice in use the tile goes straight to dW (zeros if no row is kept). With several,
     each slice stores its float32 partial sum and counts its arrival on the tile; the last to
@@ -326,7 +331,7 @@ def _dw_tile(
     tiles = tiles_k * tl.cdiv(N, BLOCK_N)
     tile = pid % tiles
     pid_s = pid // tiles
-    per_split, used = _split_rows(count, BLOCK_M, SPLIT)
+    per_split, used = _split_rows(count, BLOCK_M, SPLIT, MIN_SLICE)
     if pid_s < tl.maximum(used, 1):
         start = pid_s * per_split * BLOCK_M
         end = tl.minimum(count, start + per_split * BLOCK_M)
@@ -412,7 +417,7 @@ def _grads_kernel(
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
+    MIN_SLICE: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
 ):
     """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start; with
@@ -434,7 +439,8 @@ def _grads_kernel(
             _dw_tile(
                 pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
                 count, N, K, stride_dym, stride_dyn, stride_xm, stride_xk,
-                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, GATHER, INPUT_PRECISION, UPCAST, WITH_DB,
+                DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, MIN_SLICE, GATHER, INPUT_PRECISION, UPCAST,
+                WITH_DB,
             )
     if DO_DX:
         if dx_pid >= 0:
@@ -471,6 +477,13 @@ _SELECT_TILES = dict(BLOCK_M=32, BLOCK_N=256, num_warps=4)
 _INTERPRETER_SELECT_TILES = dict(BLOCK_M=16, BLOCK_N=64)
 _MAX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
+# Row blocks a dW slice takes at least before the split uses one more. A split costs more than
+# the rows it takes off each program: every slice stores a float32 partial tile that the last
+# arrival reads back, and its programs hold SM slots that the dX programs (launched after dW's)
+# wait for. v29 (benchmarks/NOTES_torch.md, one H200): BERT FFN down at 2 % real tokens (6 row
+# blocks) 34.7 µs split two ways, 22.7 unsplit; FFN up at 5 % (13 blocks) 48.5 against 32.3.
+_MIN_SLICE_BLOCKS = 16
+_INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps
 # (`benchmarks/launch_resources_torch.py`: BERT's 768-wide launches; the wide dX tile's fit one).
@@ -494,10 +507,15 @@ def _sms(device: torch.device) -> int:
     return _INTERPRETER_SMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _min_slice_blocks() -> int:
+    return _INTERPRETER_MIN_SLICE_BLOCKS if _INTERPRET else _MIN_SLICE_BLOCKS
+
+
 def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
     """Row slices of dW: about ``_PROGRAMS_PER_SM`` programs per SM over the output tiles, at most
-    one per block."""
-    return max(1, min(_MAX_SPLIT, round(_PROGRAMS_PER_SM * _sms(device) / tiles), row_blocks))
+    as many as ``row_blocks`` (all ``M`` rows kept) fill with slices of ``_min_slice_blocks()``."""
+    most = max(1, row_blocks // _min_slice_blocks())
+    return max(1, min(_MAX_SPLIT, round(_PROGRAMS_PER_SM * _sms(device) / tiles), most))
 
 
 def _dx_programs(tiles: int, device: torch.device) -> int:
@@ -601,7 +619,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, DX_SLOTS=dx_slots,
+        SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, DX_SLOTS=dx_slots,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
