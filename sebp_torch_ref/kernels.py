@@ -480,8 +480,10 @@ _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several
 # Row blocks a dW slice takes at least before the split uses one more. A split costs more than
 # the rows it takes off each program: every slice stores a float32 partial tile that the last
 # arrival reads back, and its programs hold SM slots that the dX programs (launched after dW's)
-# wait for. v29 (benchmarks/NOTES_torch.md, one H200): BERT FFN down at 2 % real tokens (6 row
-# blocks) 34.7 µs split two ways, 22.7 unsplit; FFN up at 5 % (13 blocks) 48.5 against 32.3.
+# wait for. v29 (benchmarks/NOTES_torch.md "v29 measured", one H200): BERT FFN down at 2 % real
+# tokens (6 row blocks) 34.7 µs split two ways, 22.7 unsplit; FFN up at 5 % (13 blocks) 48.5
+# against 32.3 (the unsplit launch there also had half the dX programs, still more than the
+# live dX tiles).
 _MIN_SLICE_BLOCKS = 16
 _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
@@ -619,7 +621,8 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
-        SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db, GATHER=gather, DX_SLOTS=dx_slots,
+        SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
+        GATHER=gather, DX_SLOTS=dx_slots,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
