@@ -18,9 +18,9 @@
 # * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
 #   (compilation alone takes minutes: each row's compile_s says how many seconds).
 # * layer: one layer's backward (benchmarks.layer_torch, checked against dense first) on
-#   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP and q/o projections, dense, SEBP (a
-#   planned layer's one launch among them) and cuBLAS on the kept rows only, replayed from CUDA
-#   graphs.
+#   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP, q/o projections and tied LM head, dense,
+#   SEBP (a planned layer's one launch among them) and cuBLAS on the kept rows only, replayed
+#   from CUDA graphs.
 # On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
 # CUDA_VISIBLE_DEVICES.
 #
@@ -111,9 +111,10 @@ elif [ "$suite" = compiled-bert-host ]; then
   stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
     "$out/bert_torch_compiled.json"
 elif [ "$suite" = layer ]; then
-  # 2026-11-29: 70 s for five shapes, 94 s for six with one more launch variant (now two more).
-  stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP and q/o)" $py -m benchmarks.layer_torch --check \
-    --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1 --out "$out/layer_torch.json"
+  # 2026-11-29: 93 s for six shapes and three planned sizings (now five sizings and the LM head).
+  stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP, q/o and LM head)" $py -m benchmarks.layer_torch \
+    --check --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1,llama32_3b_lm_head_b1 \
+    --out "$out/layer_torch.json"
   append "$out/layer_torch.md"
 else
   stage 520 "LLaMA-3.2-3B b1 (torch.compile)" $py -m benchmarks.llama --tag torch_compiled \
