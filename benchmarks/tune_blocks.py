@@ -46,6 +46,10 @@ CANDIDATES = {
   # resources"): BERT FFN's 144 tiles run in 1.09 waves; a 64-wide tile fits three per SM (78
   # registers) and 288 programs run in 0.73 waves.
   "dw_k64": _Config(dw_k=64),
+  # ... and the default tiles unsplit (dw_split set after sizing, in _AFTER_SIZING): dw_k64's
+  # gain on BERT attn at 2-12 % real tokens came with its 72 tiles leaving the split at 1, where
+  # 36 tiles split 3 ways (NOTES "Launch resources measured").
+  "dw_unsplit": _Config(),
   "dw128x256_m32_s4": _Config(dw_k=128, dw_n=256, dw_m=32, dw_warps=8, dw_stages=4),
   "dw256x128": _Config(dw_k=256, dw_n=128, dw_m=64, dw_warps=8),
   # Few kept rows: each dW program loads one or two row blocks and stores its tile, so the time
@@ -98,9 +102,24 @@ CANDIDATES = {
   "in_place": _Config(compact=False),
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
+# Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.
+_AFTER_SIZING = {"dw_unsplit": dict(dw_split=1)}
 _BASELINES = ("dense", "ideal", "xla", "selection")
 
 _DENSE_BACKWARD = sebp_backward("dense")
+
+
+def sized_candidate(name: str, num_rows: int, in_features: int, out_features: int,
+                    dtype) -> pallas_backend.BlockConfig:
+  """``CANDIDATES[name]`` as the tuner times it on a layer of that shape: read in place where
+  :func:`~sebp_jax.backends.pallas.block_config` has the layer read in place (vocabulary-wide
+  layers; the in-place candidates on every shape), sized for this GPU, then ``_AFTER_SIZING``'s
+  parameters."""
+  candidate = CANDIDATES[name]
+  config = dataclasses.replace(candidate, compact=candidate.compact and pallas_backend.block_config(
+    num_rows, in_features, out_features, dtype).compact)
+  return dataclasses.replace(pallas_backend.sized_for_gpu(config, in_features, out_features, dtype),
+                             **_AFTER_SIZING.get(name, {}))
 
 
 def _selection(dy):
@@ -156,13 +175,7 @@ def main() -> None:
       timings = {name: baselines[name]() for name in args.baselines}
       families = {}
       for name in args.configs:
-        # Vocabulary-wide layers are read in place, as block_config has them in a model; so are
-        # the in-place candidates' on every shape.
-        config = dataclasses.replace(CANDIDATES[name], compact=CANDIDATES[name].compact and
-                                     pallas_backend.block_config(shape.rows, shape.in_features,
-                                                                 shape.out_features, dtype).compact)
-        config = pallas_backend.sized_for_gpu(config, shape.in_features, shape.out_features,
-                                              dtype)
+        config = sized_candidate(name, shape.rows, shape.in_features, shape.out_features, dtype)
         fn = lambda x, w, dy, config=config: pallas_backend.backward(
           x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
         got = jax.jit(fn)(x, w, dy)

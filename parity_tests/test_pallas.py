@@ -410,8 +410,7 @@ def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
   # at a LLaMA-b1-like shape: a candidate that Triton cannot express fails here, not in a tuning run.
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   num_rows, in_features, out_features = 4096, 3072, 640
-  config = pallas_backend.sized_for_gpu(tune_blocks.CANDIDATES[name], in_features,
-                                        out_features, jnp.bfloat16)
+  config = tune_blocks.sized_candidate(name, num_rows, in_features, out_features, jnp.bfloat16)
   expected = 3 + config.compact + (config.dx_split > 1)
   assert _exported_kernel_count(config, jnp.bfloat16, num_rows, in_features,
                                 out_features) == expected
