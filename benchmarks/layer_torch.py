@@ -13,10 +13,11 @@ one, written as JSON rows that stand beside the JAX results in one table.
   through the plan's permutation, ``dX`` in the plan's order; the plan (the active prefixes) made
   once, outside the timing.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
-  before v27's persistent dX programs, and ``sebp_triton_plan_min_slice_{1,8,32}``: dW's split
-  using a slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice
-  per block up to the split). A/Bs of the launch's sizing; their eager times also rebuild the
-  launch plan per call, so compare graph times.
+  before v27's persistent dX programs, ``sebp_triton_plan_min_slice_{1,8}``: dW's split using a
+  slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
+  up to the split), and ``sebp_triton_plan_dw_first``: dW's programs first in the grid, as up to
+  v29 (the default starts dX's first). A/Bs of the launch's plan; their eager times also rebuild
+  it per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -83,11 +84,12 @@ SHAPES = [
     Shape("llama32_3b_lm_head_b1", 1, 4096, 3072, 128256),
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-# The planned launch as sized by default, and its sizing A/Bs: private sizing attributes replaced.
+# The planned launch as sized by default, and its A/Bs: private sizing and order attributes replaced.
 _SIZINGS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
-    **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8, 32)},
+    **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
+    "sebp_triton_plan_dw_first": dict(_DX_FIRST=False),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16

@@ -710,13 +710,16 @@ class _Recorded:
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("kept", ["none", "one", "scattered", "all"])
 @pytest.mark.parametrize("dx_slots", [False, True], ids=["in_place", "slots"])
-def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device):
+@pytest.mark.parametrize("dx_first", [True, False], ids=["dx_first", "dw_first"])
+def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_slots, dx_first, device):
     """The dX launch is persistent: fewer programs than dX has tiles, each looping over its share
     of those with work. Every row is still written once: the kept rows' dX, and the dropped rows'
     zeros (in place) or the zero row they read (slots), with no kept row (the first row block
-    still runs, for row M), one, or all."""
+    still runs, for row M), one, or all; with dX's programs before dW's in the grid or after."""
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
+
+    monkeypatch.setattr(kernels, "_DX_FIRST", dx_first)
 
     dtype = torch.float32
     # More dX tiles than the launch's programs (interpreter: 32 x 32 tiles, 16 programs; GPU:
@@ -729,14 +732,14 @@ def test_triton_dx_programs_each_loop_over_several_tiles(kept, dx_slots, device)
     x = torch.randn(rows, in_features, generator=gen).to(device)
     weight = torch.randn(OUT_FEATURES, in_features, generator=gen).to(device)
     perm, count = kernels.permutation_of(keep.to(device))
-    plan = kernels._default_gemm_plan(rows, OUT_FEATURES, in_features, dtype, True, True, False, True,
-                                      dx_slots, x.device)
-    config = kernels.default_config(dtype, in_features, kernels._INTERPRET)["dx"]
-    tiles = -(-rows // config["BLOCK_M"]) * -(-in_features // config["BLOCK_K"])
-    assert plan.dx_programs < tiles
+    config = kernels.default_config(dtype, in_features, kernels._INTERPRET)  # a plan built per call
+    plan = kernels._build_gemm_plan(rows, OUT_FEATURES, in_features, dtype, True, True, False, True,
+                                    dx_slots, x.device, config)
+    tiles = -(-rows // config["dx"]["BLOCK_M"]) * -(-in_features // config["dx"]["BLOCK_K"])
+    assert plan.dx_programs < tiles and plan.gemm["DX_FIRST"] == dx_first
     with _uninitialized_memory_is_nan():
         dx, dw, _ = kernels.sebp_gemms(dy.to(device), weight, x, perm, count, dtype, compacted=False,
-                                       dx_slots=dx_slots)
+                                       config=config, dx_slots=dx_slots)
     want_dx, want_dw, _ = reference_grads(x.cpu(), weight.cpu(), None, dy, keep)
     if dx_slots:
         assert dx.shape == (rows + 1, in_features) and not dx[rows].any()  # NaN counts as any

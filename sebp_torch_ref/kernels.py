@@ -419,10 +419,11 @@ def _grads_kernel(
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MIN_SLICE: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
+    DX_FIRST: tl.constexpr,
 ):
-    """dW's programs ``[0, dw_programs)`` (they loop over all kept rows: first to start; with
-    ``WITH_DB`` some also sum db), then ``dx_programs`` of dX. One launch, so that with few kept
-    rows the two small GEMMs share the GPU.
+    """``dx_programs`` programs of dX and ``dw_programs`` of dW (with ``WITH_DB`` some of those
+    also sum db), dX's first in the grid with ``DX_FIRST``, else dW's. One launch, so that with
+    few kept rows the two small GEMMs share the GPU.
 
     dX's programs are persistent: each loops over every ``dx_programs``-th tile of those with
     work, the tiles of the kept rows' row blocks (and, in place, the dropped rows' zero tiles;
@@ -432,18 +433,23 @@ def _grads_kernel(
     persistent for the same reason."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
+    dw_pid = pid
     dx_pid = pid
+    if DO_DW and DO_DX:
+        if DX_FIRST:
+            dw_pid = pid - dx_programs
+        else:
+            dx_pid = pid - dw_programs
     if DO_DW:
-        dx_pid = pid - dw_programs
-        if pid < dw_programs:
+        if (dw_pid >= 0) & (dw_pid < dw_programs):
             _dw_tile(
-                pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
+                dw_pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
                 count, N, K, stride_dym, stride_dyn, stride_xm, stride_xk,
                 DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, MIN_SLICE, GATHER, INPUT_PRECISION, UPCAST,
                 WITH_DB,
             )
     if DO_DX:
-        if dx_pid >= 0:
+        if (dx_pid >= 0) & (dx_pid < dx_programs):
             if DX_SLOTS:
                 row_blocks = tl.maximum(tl.cdiv(count, DX_BLOCK_M), 1)
             else:
@@ -479,13 +485,19 @@ _MAX_SPLIT = 8
 _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several slices
 # Row blocks a dW slice takes at least before the split uses one more. A split costs more than
 # the rows it takes off each program: every slice stores a float32 partial tile that the last
-# arrival reads back, and its programs hold SM slots that the dX programs (launched after dW's)
-# wait for. v29 (benchmarks/NOTES_torch.md "v29 measured", one H200): BERT FFN down at 2 % real
+# arrival reads back, and (dW's programs first in the grid, as in v29) its programs held the SM
+# slots that the dX programs waited for. v29 (benchmarks/NOTES_torch.md "v29 measured", one H200): BERT FFN down at 2 % real
 # tokens (6 row blocks) 34.7 µs split two ways, 22.7 unsplit; FFN up at 5 % (13 blocks) 48.5
 # against 32.3 (the unsplit launch there also had half the dX programs, still more than the
 # live dX tiles).
 _MIN_SLICE_BLOCKS = 16
 _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
+# dX's programs first in the launch's grid (the GPU starts programs in grid order). With few kept
+# rows dX's few live tiles each stream a column block of all of W, the launch's longest programs;
+# behind dW's they start only once dW has nearly run (LLaMA-3B's MLP up at b1: 1,536 dW tiles, 11.6
+# waves at one program per SM, before 24 live dX tiles). dX's programs without a tile return at
+# once. v30 candidate, benchmarks/NOTES_torch.md.
+_DX_FIRST = True
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps
 # (`benchmarks/launch_resources_torch.py`: BERT's 768-wide launches; the wide dX tile's fit one).
@@ -622,7 +634,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
-        GATHER=gather, DX_SLOTS=dx_slots,
+        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_DX_FIRST,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
