@@ -15,9 +15,10 @@ one, written as JSON rows that stand beside the JAX results in one table.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
   before v27's persistent dX programs, ``sebp_triton_plan_min_slice_{1,8}``: dW's split using a
   slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
-  up to the split), and ``sebp_triton_plan_dw_first``: dW's programs first in the grid, as up to
-  v29 (the default starts dX's first). A/Bs of the launch's plan; their eager times also rebuild
-  it per call, so compare graph times.
+  up to the split), ``sebp_triton_plan_dw_first``: dW's programs first in the grid, as up to v29
+  (the default starts dX's first), and ``sebp_triton_plan_narrow_dx``: the narrow dX tile on every
+  layer (the kernel then fits two programs per SM, dW's included). A/Bs of the launch's plan;
+  their eager times also rebuild it per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -90,6 +91,7 @@ _SIZINGS = {
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
     **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
     "sebp_triton_plan_dw_first": dict(_DX_FIRST=False),
+    "sebp_triton_plan_narrow_dx": dict(_NARROW_DX_COLUMNS=1 << 30),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
@@ -141,10 +143,10 @@ def _planned_launch(x, weight, dy, active: int, sizing: dict):
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     keep = (torch.arange(x.shape[1], device=x.device) < active).repeat(x.shape[0])
     perm, count = kernels.permutation_of(keep)
-    config = kernels.default_config(DTYPE, x.shape[-1]) if sizing else None
 
     def run():
         with mock.patch.multiple(kernels, **sizing) if sizing else contextlib.nullcontext():
+            config = kernels.default_config(DTYPE, x.shape[-1]) if sizing else None
             return kernels.sebp_gemms(dy2, weight.detach(), x2, perm, count, DTYPE, compacted=False,
                                       config=config, dx_slots=True)
     return run

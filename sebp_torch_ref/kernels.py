@@ -467,7 +467,10 @@ def _grads_kernel(
 # Per operand width, the tiles of both GEMMs of the one launch. BLOCK_M spans rows of dY, BLOCK_N
 # its columns (out features), BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over
 # N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The "narrow" dX tile applies where
-# dX has at most 1024 columns (BERT-base's 768): smaller tiles give the few kept rows more programs.
+# dX has at most _NARROW_DX_COLUMNS columns (BERT-base's 768): smaller tiles give the few kept rows
+# more programs. The launch compiles both GEMMs into one kernel, whose registers are the larger
+# path's: with the wide dX tile (~168 at 8 warps) dW's programs also fit one per SM, with the
+# narrow one (~116) two (benchmarks/NOTES_torch.md, "v29 measured").
 _TILES = {
     ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128),
     ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
@@ -476,6 +479,7 @@ _TILES = {
     ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64),
 }
 _LAUNCH = {2: dict(num_warps=8, num_stages=3), 4: dict(num_warps=4, num_stages=3)}
+_NARROW_DX_COLUMNS = 1024
 # Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
 # CPU tests fast while still splitting odd shapes into several partial blocks.
 _INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
@@ -513,7 +517,7 @@ def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False
         return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
     width = dtype.itemsize
     narrow = ("dx", width, "narrow")
-    dx = _TILES[narrow] if out_columns <= 1024 and narrow in _TILES else _TILES["dx", width]
+    dx = _TILES[narrow] if out_columns <= _NARROW_DX_COLUMNS and narrow in _TILES else _TILES["dx", width]
     return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
