@@ -490,10 +490,10 @@ _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several
 # Row blocks a dW slice takes at least before the split uses one more. A split costs more than
 # the rows it takes off each program: every slice stores a float32 partial tile that the last
 # arrival reads back, and (dW's programs first in the grid, as in v29) its programs held the SM
-# slots that the dX programs waited for. v29 (benchmarks/NOTES_torch.md "v29 measured", one H200): BERT FFN down at 2 % real
-# tokens (6 row blocks) 34.7 µs split two ways, 22.7 unsplit; FFN up at 5 % (13 blocks) 48.5
-# against 32.3 (the unsplit launch there also had half the dX programs, still more than the
-# live dX tiles).
+# slots that the dX programs waited for. v29 (benchmarks/NOTES_torch.md "v29 measured", one
+# H200): BERT FFN down at 2 % real tokens (6 row blocks) 34.7 µs split two ways, 22.7 unsplit;
+# FFN up at 5 % (13 blocks) 48.5 against 32.3 (the unsplit launch there also had half the dX
+# programs, still more than the live dX tiles).
 _MIN_SLICE_BLOCKS = 16
 _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # dX's programs first in the launch's grid (the GPU starts programs in grid order). With few kept
