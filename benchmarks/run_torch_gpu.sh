@@ -17,6 +17,8 @@
 #   (launched from the host), and torch-sebp-compiled (rows scored in every layer).
 # * compiled-llama: LLaMA-3.2-3B b1 on piqa and full_length with the three under torch.compile
 #   (compilation alone takes minutes: each row's compile_s says how many seconds).
+# * compiled-llama-ab: LLaMA-3.2-3B b1 on piqa under torch.compile, dense, the plan and the plan's
+#   launch as up to v29 (dW's programs first: torch-sebp-plan-dw-first-compiled), in one process.
 # * layer: one layer's backward (benchmarks.layer_torch, checked against dense first) on
 #   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP, q/o projections and tied LM head, dense,
 #   SEBP (a planned layer's one launch among them) and cuBLAS on the kept rows only, replayed
@@ -29,8 +31,8 @@
 # $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
 suite=${1:-eager}
-case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama|layer) ;;
-  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama|layer]" >&2
+case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer) ;;
+  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer]" >&2
      exit 2;;
 esac
 out=${OUT:-benchmarks/results}/torch
@@ -116,6 +118,13 @@ elif [ "$suite" = layer ]; then
     --check --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1,llama32_3b_lm_head_b1 \
     --out "$out/layer_torch.json"
   append "$out/layer_torch.md"
+elif [ "$suite" = compiled-llama-ab ]; then
+  # Three compilations of ~100 s each (2026-11-29: 465 s for three variants on two workloads).
+  stage 520 "LLaMA-3.2-3B b1 (torch.compile), the launch order A/B" $py -m benchmarks.llama \
+    --tag torch_compiled_ab --out-dir "$out" --batches 1 --time-budget 510 --variant-timeout 300 \
+    --workloads piqa --variants torch-dense-compiled torch-sebp-plan-compiled \
+    torch-sebp-plan-dw-first-compiled
+  append "$out/llama_b1_torch_compiled_ab.md"
 else
   stage 520 "LLaMA-3.2-3B b1 (torch.compile)" $py -m benchmarks.llama --tag torch_compiled \
     --out-dir "$out" --batches 1 --time-budget 510 --variant-timeout 300 --workloads piqa \

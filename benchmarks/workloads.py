@@ -118,7 +118,7 @@ __all__ = [
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "weight_kernel", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
   "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
-  "prepared_workload", "TORCH_CROSSOVER",
+  "prepared_workload", "TORCH_CROSSOVER", "launch_options",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
@@ -259,7 +259,9 @@ class Variant:
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
-  same variant without them in the same run."""
+  same variant without them in the same run. ``launch``: torch, attributes of
+  :mod:`sebp_torch_ref.kernels`' launch plan replaced while the variant runs (a kernel A/B in
+  one process, beside the variant without them)."""
 
   name: str
   framework: str
@@ -272,6 +274,7 @@ class Variant:
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
   compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: ops in the graph)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
+  launch: tuple[tuple[str, Any], ...] = ()  # torch: (kernels attribute, value) pairs
 
   @property
   def baseline(self) -> str:
@@ -303,6 +306,9 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense-compiled", "torch", "dense", compiled=True),
   Variant("torch-sebp-plan-compiled", "torch", "triton", rows=True, compiled=True),
   Variant("torch-bound-compiled", "torch", "bound", compiled=True),
+  # The planned launch as up to v29, dW's programs before dX's in its grid (a same-process A/B).
+  Variant("torch-sebp-plan-dw-first-compiled", "torch", "triton", rows=True, compiled=True,
+          launch=(("_DX_FIRST", False),)),
   # Rows scored from dY in every layer (the paper's method), and the paper's Top-N, compiled.
   Variant("torch-sebp-compiled", "torch", "triton", compiled=True),
   Variant("torch-sebp-topn-compiled", "torch", "triton", max_rows="paper", compiled=True),
@@ -848,7 +854,35 @@ def _capture_steps(steps: dict, model, optimizer, variant: Variant, batch: dict,
 
 
 def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
-  """Runs ``variant`` (torch) on every workload and batch size; yields the device, then rows."""
+  """Runs ``variant`` (torch) on every workload and batch size, under its ``launch`` options;
+  yields the device, then rows."""
+  with launch_options(variant.launch):
+    yield from _run_torch(spec, variant, settings)
+
+
+@contextlib.contextmanager
+def launch_options(options: Sequence[tuple[str, Any]]):
+  """:mod:`sebp_torch_ref.kernels`' attributes set to ``options``' values, with no launch plan
+  cached under other values before or after (the plans are built once per shape and cached)."""
+  if not options:
+    yield
+    return
+  from unittest import mock
+
+  from sebp_torch_ref import kernels
+
+  for name, _ in options:
+    if not hasattr(kernels, name):
+      raise ValueError(f"launch option {name!r}: sebp_torch_ref.kernels has no such attribute.")
+  kernels._default_gemm_plan.cache_clear()
+  try:
+    with mock.patch.multiple(kernels, **dict(options)):
+      yield
+  finally:
+    kernels._default_gemm_plan.cache_clear()
+
+
+def _run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
   import torch
 
   device = "cuda" if torch.cuda.is_available() else "cpu"

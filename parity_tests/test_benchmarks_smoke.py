@@ -232,7 +232,7 @@ def test_bert_tiny_end_to_end_in_process(tmp_path):
 def test_bert_tiny_compiled_torch_variants(tmp_path):
   # torch.compile of the patched model: the SEBP layers are ops in the compiled graph.
   variants = {"torch-dense-compiled", "torch-sebp-plan-compiled", "torch-bound-compiled",
-              "torch-sebp-compiled"}
+              "torch-sebp-compiled", "torch-sebp-plan-dw-first-compiled"}
   # torch-sebp-topn-compiled runs nothing: the tiny model has no paper Top-N.
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
                 "torch-sebp-topn-compiled", "--warmup", "1")
@@ -241,6 +241,27 @@ def test_bert_tiny_compiled_torch_variants(tmp_path):
   # The warm-up step's time beyond a timed step's is recorded as the compile time. Its size is a
   # timing (Inductor's caches may be warm from an earlier test), so only its presence is checked.
   assert all(isinstance(r["compile_s"], float) and r["compile_s"] >= 0 for r in result["rows"])
+
+
+def test_launch_options_hold_while_the_variant_runs_and_no_plan_outlives_them(monkeypatch):
+  """A variant's ``launch`` options replace the kernels' attributes while it runs, and the launch
+  plans cached per shape are dropped on the way in and out, so that neither order's plans serve
+  the other variant."""
+  pytest.importorskip("triton")
+  import torch
+
+  from sebp_torch_ref import kernels
+
+  monkeypatch.setattr(kernels, "_sms", lambda device: 8)  # no GPU to ask
+  shape = (256, 64, 32, torch.float32, True, True, False, True, True, torch.device("cpu"))
+  kernels._default_gemm_plan.cache_clear()
+  assert kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
+  with workloads.launch_options((("_DX_FIRST", False),)):
+    assert not kernels._DX_FIRST and not kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
+  assert kernels._DX_FIRST and kernels._default_gemm_plan.cache_info().currsize == 0
+  with pytest.raises(ValueError, match="launch option '_DX_LAST'"):
+    with workloads.launch_options((("_DX_LAST", True),)):
+      pass
 
 
 def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
