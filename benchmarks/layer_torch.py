@@ -36,18 +36,17 @@ Usage: ``python -m benchmarks.layer_torch --out benchmarks/results/torch_layer_<
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 
+from benchmarks.torch_launch import launch_options
 from sebp_torch_ref import sebp_linear
 from sebp_torch_ref import kernels
 from sebp_torch_ref.policy import RowPolicy
@@ -85,15 +84,16 @@ SHAPES = [
     Shape("llama32_3b_lm_head_b1", 1, 4096, 3072, 128256),
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-# The planned launch as sized by default, and its A/Bs: private sizing and order attributes replaced.
-_SIZINGS = {
+# The planned launch as the kernels module plans it, and its A/Bs (benchmarks.torch_launch): private
+# attributes of the launch plan replaced.
+_LAUNCH_VARIANTS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
     **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
     "sebp_triton_plan_dw_first": dict(_DX_FIRST=False),
     "sebp_triton_plan_narrow_dx": dict(_NARROW_DX_COLUMNS=1 << 30),
 }
-IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch", "ideal")
+IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
 
 
@@ -111,8 +111,8 @@ def make_case(shape: Shape, fraction: float, seed: int = 0):
 
 def backward_fn(impl: str, x, weight, dy, active: int):
     """A closure running the backward of ``impl`` once (the forward graph is built here)."""
-    if impl in _SIZINGS:
-        return _planned_launch(x, weight, dy, active, _SIZINGS[impl])
+    if impl in _LAUNCH_VARIANTS:
+        return _planned_launch(x, weight, dy, active, _LAUNCH_VARIANTS[impl])
     if impl == "ideal":
         x = x.detach()[:, :active].reshape(-1, x.shape[-1]).contiguous().requires_grad_()
         dy = dy[:, :active].reshape(-1, dy.shape[-1]).contiguous()
@@ -137,18 +137,17 @@ def _reading_through_perm(fn):
     return run
 
 
-def _planned_launch(x, weight, dy, active: int, sizing: dict):
-    """The GEMM launch of a planned layer (``sebp_triton_plan``), with ``sizing``'s attributes in
-    place of the kernels module's (then an uncached launch plan, built per call)."""
+def _planned_launch(x, weight, dy, active: int, options: dict):
+    """The GEMM launch of a planned layer (``sebp_triton_plan``), with ``options``' attributes in
+    place of the kernels module's (then a launch plan built per call)."""
     x2, dy2 = x.detach().reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     keep = (torch.arange(x.shape[1], device=x.device) < active).repeat(x.shape[0])
     perm, count = kernels.permutation_of(keep)
 
     def run():
-        with mock.patch.multiple(kernels, **sizing) if sizing else contextlib.nullcontext():
-            config = kernels.default_config(DTYPE, x.shape[-1]) if sizing else None
+        with launch_options(tuple(options.items())):
             return kernels.sebp_gemms(dy2, weight.detach(), x2, perm, count, DTYPE, compacted=False,
-                                      config=config, dx_slots=True)
+                                      dx_slots=True)
     return run
 
 
@@ -176,9 +175,9 @@ def check(shape: Shape) -> None:
     for fraction in (1.0, 0.2, 0.02):
         x, weight, dy, active = make_case(shape, fraction, seed=1)
         want = backward_fn("dense", x, weight, dy, active)()
-        for impl in ("sebp_triton", "sebp_triton_gather", *_SIZINGS, "sebp_torch"):
+        for impl in ("sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch"):
             got = backward_fn(impl, x, weight, dy, active)()
-            if impl in _SIZINGS:  # dX in the plan's order: back to every row
+            if impl in _LAUNCH_VARIANTS:  # dX in the plan's order: back to every row
                 rows = torch.arange(shape.rows, device=x.device)
                 kept_place = (rows // shape.seq) * active + rows % shape.seq
                 got = (got[0][torch.where(rows % shape.seq < active, kept_place, shape.rows)].reshape(x.shape),

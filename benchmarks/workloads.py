@@ -109,6 +109,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from benchmarks.torch_launch import launch_options
 from sebp_jax import xla_flags
 
 __all__ = [
@@ -118,7 +119,7 @@ __all__ = [
   "export_lengths", "dataset_lengths", "glue_lengths", "sample_lengths", "free_linear_backward",
   "weight_kernel", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
   "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
-  "prepared_workload", "TORCH_CROSSOVER", "launch_options",
+  "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context",
   "speedups", "markdown_table", "write_results", "main",
 ]
@@ -858,28 +859,6 @@ def run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator
   yields the device, then rows."""
   with launch_options(variant.launch):
     yield from _run_torch(spec, variant, settings)
-
-
-@contextlib.contextmanager
-def launch_options(options: Sequence[tuple[str, Any]]):
-  """:mod:`sebp_torch_ref.kernels`' attributes set to ``options``' values, with no launch plan
-  cached under other values before or after (the plans are built once per shape and cached)."""
-  if not options:
-    yield
-    return
-  from unittest import mock
-
-  from sebp_torch_ref import kernels
-
-  for name, _ in options:
-    if not hasattr(kernels, name):
-      raise ValueError(f"launch option {name!r}: sebp_torch_ref.kernels has no such attribute.")
-  kernels._default_gemm_plan.cache_clear()
-  try:
-    with mock.patch.multiple(kernels, **dict(options)):
-      yield
-  finally:
-    kernels._default_gemm_plan.cache_clear()
 
 
 def _run_torch(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:

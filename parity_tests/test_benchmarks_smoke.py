@@ -250,17 +250,18 @@ def test_launch_options_hold_while_the_variant_runs_and_no_plan_outlives_them(mo
   pytest.importorskip("triton")
   import torch
 
+  from benchmarks import torch_launch
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_sms", lambda device: 8)  # no GPU to ask
   shape = (256, 64, 32, torch.float32, True, True, False, True, True, torch.device("cpu"))
   kernels._default_gemm_plan.cache_clear()
   assert kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
-  with workloads.launch_options((("_DX_FIRST", False),)):
+  with torch_launch.launch_options((("_DX_FIRST", False),)):
     assert not kernels._DX_FIRST and not kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
   assert kernels._DX_FIRST and kernels._default_gemm_plan.cache_info().currsize == 0
   with pytest.raises(ValueError, match="launch option '_DX_LAST'"):
-    with workloads.launch_options((("_DX_LAST", True),)):
+    with torch_launch.launch_options((("_DX_LAST", True),)):
       pass
 
 
