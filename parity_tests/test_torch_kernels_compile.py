@@ -53,24 +53,31 @@ _ROWS = [(True, False), (True, True), (False, False)]
 
 
 def _grads_cases():
-  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split in itertools.product(
-      _POINTER, _PRODUCTS, _ROWS, (1, 3)):
-    if (split > 1 and not do_dw) or (dx_slots and not do_dx):
-      continue  # the same program as split 1 / without slots
-    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split,
-                       id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}-split{split}")
+  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split, dx_first, K in itertools.product(
+      _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False), (768, 3072)):
+    if (split > 1 and not do_dw) or (dx_slots and not do_dx) or (not dx_first and not (do_dx and do_dw)):
+      continue  # the same program as split 1 / without slots / in the other order
+    if K > 1024 and not do_dx:
+      continue  # K picks dX's tile only
+    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, K,
+                       id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}"
+                          f"-split{split}-dxfirst{dx_first:d}-K{K}")
 
 
-@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split", list(_grads_cases()))
-def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split):
+@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, K",
+                         list(_grads_cases()))
+def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first,
+                               K):
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
   monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's or H200's
-  M, N, K = 300, 3072, 768  # BERT-base's FFN down: dX on the narrow tile
+  monkeypatch.setattr(kernels, "_DX_FIRST", dx_first)
+  # BERT-base's FFN up (K = 768: dX on the narrow tile) or FFN down (K = 3072: the wide tile).
+  M, N = 300, 3072 if K == 768 else 768
   plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
                                   torch.device("cuda"), kernels.default_config(dtype, K))
-  assert plan.split == (split if do_dw else 1)
+  assert plan.split == (split if do_dw else 1) and plan.gemm["DX_FIRST"] == dx_first
   pointer = _POINTER[dtype]
   _compile(kernels._grads_kernel, plan.gemm, dict(
     dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
@@ -116,7 +123,8 @@ def test_narrow_dx_launch_fits_two_programs_per_sm(with_db, split):
   BERT-base's 768-wide layers (the narrow dX tile) two must fit: registers at most 128 per thread
   at 8 warps. Before the dW fix-up went a quarter tile at a time and db's column sums through the
   MMA, these launches held 164-172 registers, one program per SM (NOTES_torch, "Why: one program
-  per SM"). The wide dX tile (dX wider than 1024) still holds ~168: one per SM, measured next."""
+  per SM"). The wide dX tile (dX wider than 1024) still holds ~168: one per SM (v29 on the GPU:
+  166-170, NOTES_torch "v29 measured")."""
   from benchmarks.launch_resources_torch import launch_resources
 
   resources, plan = launch_resources(16384, 768, 768, torch.bfloat16, with_db=with_db, split=split)
