@@ -47,7 +47,7 @@ def launch_resources(M: int, N: int, K: int, dtype: torch.dtype, *, with_db: boo
     sizing = dict(_sms=lambda device: SMS, **({} if split is None else dict(_dw_split=lambda *_: split)))
     with mock.patch.multiple(kernels, **sizing):
         plan = kernels._build_gemm_plan(M, N, K, dtype, True, True, with_db, gather, dx_slots,
-                                        torch.device("cuda"), kernels.default_config(dtype, K))
+                                        torch.device("cuda"), kernels.default_config(dtype))
     constants = dict(plan.gemm)
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
     kernel = kernels._grads_kernel

@@ -16,9 +16,8 @@ one, written as JSON rows that stand beside the JAX results in one table.
   before v27's persistent dX programs, ``sebp_triton_plan_min_slice_{1,8}``: dW's split using a
   slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
   up to the split), ``sebp_triton_plan_dw_first``: dW's programs first in the grid, as up to v29
-  (the default starts dX's first), and ``sebp_triton_plan_narrow_dx``: the narrow dX tile on every
-  layer (the kernel then fits two programs per SM, dW's included). A/Bs of the launch's plan;
-  their eager times also rebuild it per call, so compare graph times.
+  (the default starts dX's first). A/Bs of the launch's plan; their eager times also rebuild it per
+  call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -91,7 +90,6 @@ _LAUNCH_VARIANTS = {
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
     **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
     "sebp_triton_plan_dw_first": dict(_DX_FIRST=False),
-    "sebp_triton_plan_narrow_dx": dict(_NARROW_DX_COLUMNS=1 << 30),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16
@@ -211,7 +209,7 @@ def tune(shape: Shape, fraction: float) -> None:
     perm, count = kernels.select_rows(dy2, RowPolicy())
     # The compacted operands the GEMMs read: kept rows first, in perm order.
     dy_kept, x_kept = dy2[perm.long()].contiguous(), x2[perm.long()].contiguous()
-    default = kernels.default_config(DTYPE, shape.in_features)
+    default = kernels.default_config(DTYPE)
     for kernel in ("dx", "dw"):
         operands = (weight.detach(), None) if kernel == "dx" else (None, x_kept)
         results = []

@@ -677,7 +677,7 @@ def test_triton_dw_slices_take_at_least_min_slice_blocks(monkeypatch, blocks, ar
     monkeypatch.setattr(kernels, "_launcher", lambda kernel, traceable: _Recorded(
         launcher(kernel, traceable), launches))
     dtype = torch.float32
-    config = kernels.default_config(dtype, IN_FEATURES, interpret=kernels._INTERPRET)
+    config = kernels.default_config(dtype, interpret=kernels._INTERPRET)
     block_m = config["dw"]["BLOCK_M"]
     rows = 10 * block_m
     keep = torch.arange(rows) < blocks * block_m - block_m // 2  # the last kept block part full
@@ -733,7 +733,7 @@ def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_s
     x = torch.randn(rows, in_features, generator=gen).to(device)
     weight = torch.randn(OUT_FEATURES, in_features, generator=gen).to(device)
     perm, count = kernels.permutation_of(keep.to(device))
-    config = kernels.default_config(dtype, in_features, kernels._INTERPRET)  # a plan built per call
+    config = kernels.default_config(dtype, kernels._INTERPRET)  # a plan built per call
     plan = kernels._build_gemm_plan(rows, OUT_FEATURES, in_features, dtype, True, True, False, True,
                                     dx_slots, x.device, config)
     tiles = -(-rows // config["dx"]["BLOCK_M"]) * -(-in_features // config["dx"]["BLOCK_K"])

@@ -466,20 +466,19 @@ def _grads_kernel(
 
 # Per operand width, the tiles of both GEMMs of the one launch. BLOCK_M spans rows of dY, BLOCK_N
 # its columns (out features), BLOCK_K in features: the dX tile is (BLOCK_M, BLOCK_K) looping over
-# N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The "narrow" dX tile applies where
-# dX has at most _NARROW_DX_COLUMNS columns (BERT-base's 768): smaller tiles give the few kept rows
-# more programs. The launch compiles both GEMMs into one kernel, whose registers are the larger
-# path's: with the wide dX tile (~168 at 8 warps) dW's programs also fit one per SM, with the
-# narrow one (~116) two (benchmarks/NOTES_torch.md, "v29 measured").
+# N, the dW tile (BLOCK_N, BLOCK_K) looping over the kept rows. The launch compiles both GEMMs into
+# one kernel, whose registers are the larger path's: with a 128-row dX tile (~168 at 8 warps) dW's
+# programs also fit only one per SM, with the 64-row one (~116) two. v30 on one H200
+# (benchmarks/NOTES_torch.md, "v30 measured"): the 64-row tile on every layer, not only where dX
+# is at most 1024 wide, took 10-25 % off BERT's FFN down and LLaMA-3B's MLP, q/o and LM head at
+# every fraction of real rows from 2 to 100 %.
 _TILES = {
-    ("dx", 2): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128),
-    ("dx", 2, "narrow"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+    ("dx", 2): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
     ("dw", 2): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
     ("dx", 4): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64),
     ("dw", 4): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64),
 }
 _LAUNCH = {2: dict(num_warps=8, num_stages=3), 4: dict(num_warps=4, num_stages=3)}
-_NARROW_DX_COLUMNS = 1024
 # Under the interpreter the cost is per program and per op, not per FLOP: small blocks keep the
 # CPU tests fast while still splitting odd shapes into several partial blocks.
 _INTERPRETER_TILES = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32)
@@ -503,22 +502,20 @@ _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # once. v30 candidate, benchmarks/NOTES_torch.md.
 _DX_FIRST = True
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
-# sized for. Two fit where a program holds at most 128 registers at 8 warps
-# (`benchmarks/launch_resources_torch.py`: BERT's 768-wide launches; the wide dX tile's fit one).
+# sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
+# launch does (`benchmarks/launch_resources_torch.py`).
 _PROGRAMS_PER_SM = 2
 
 
-def default_config(dtype: torch.dtype, out_columns: int, interpret: bool = False) -> dict:
+def default_config(dtype: torch.dtype, interpret: bool = False) -> dict:
     """Tiles and launch options of the GEMM launch for an operand dtype: ``{"dx": tile, "dw":
-    tile, "launch": {num_warps, num_stages}}``. ``out_columns`` is dX's ``K``, which picks the
-    narrow dX tile where it is small. ``benchmarks/layer_torch.py --tune`` times alternatives.
+    tile, "launch": {num_warps, num_stages}}``. ``benchmarks/layer_torch.py --tune`` times
+    alternatives.
     """
     if interpret:
         return dict(dx=dict(_INTERPRETER_TILES), dw=dict(_INTERPRETER_TILES), launch={})
     width = dtype.itemsize
-    narrow = ("dx", width, "narrow")
-    dx = _TILES[narrow] if out_columns <= _NARROW_DX_COLUMNS and narrow in _TILES else _TILES["dx", width]
-    return dict(dx=dict(dx), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
+    return dict(dx=dict(_TILES["dx", width]), dw=dict(_TILES["dw", width]), launch=dict(_LAUNCH[width]))
 
 
 def _sms(device: torch.device) -> int:
@@ -648,7 +645,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
 def _default_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device) -> _GemmPlan:
     """The plan with :func:`default_config`'s tiles, cached (a tuner's configs are not)."""
     return _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, device,
-                            default_config(dtype, K, _INTERPRET))
+                            default_config(dtype, _INTERPRET))
 
 
 # ----------------------------------------------------------------------------- launches
