@@ -15,9 +15,10 @@ one, written as JSON rows that stand beside the JAX results in one table.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
   before v27's persistent dX programs, ``sebp_triton_plan_min_slice_{1,8}``: dW's split using a
   slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
-  up to the split), ``sebp_triton_plan_dw_first``: dW's programs first in the grid, as up to v29
-  (the default starts dX's first). A/Bs of the launch's plan; their eager times also rebuild it per
-  call, so compare graph times.
+  up to the split), ``sebp_triton_plan_dw_first`` and ``sebp_triton_plan_dx_first``: dW's or
+  dX's programs first in the grid on every layer (the default puts dX's first where dW's fill two
+  waves of the GPU or more). A/Bs of the launch's plan; their eager times also rebuild it per call,
+  so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -89,7 +90,8 @@ _LAUNCH_VARIANTS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
     **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
-    "sebp_triton_plan_dw_first": dict(_DX_FIRST=False),
+    "sebp_triton_plan_dw_first": dict(_DX_FIRST_WAVES=math.inf),
+    "sebp_triton_plan_dx_first": dict(_DX_FIRST_WAVES=0),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16

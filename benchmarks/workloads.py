@@ -96,6 +96,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -307,9 +308,10 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense-compiled", "torch", "dense", compiled=True),
   Variant("torch-sebp-plan-compiled", "torch", "triton", rows=True, compiled=True),
   Variant("torch-bound-compiled", "torch", "bound", compiled=True),
-  # The planned launch as up to v29, dW's programs before dX's in its grid (a same-process A/B).
+  # The planned launch with dW's programs before dX's in its grid on every layer, as up to v29 (a
+  # same-process A/B; the default puts dX's first where dW's fill two waves or more).
   Variant("torch-sebp-plan-dw-first-compiled", "torch", "triton", rows=True, compiled=True,
-          launch=(("_DX_FIRST", False),)),
+          launch=(("_DX_FIRST_WAVES", math.inf),)),
   # Rows scored from dY in every layer (the paper's method), and the paper's Top-N, compiled.
   Variant("torch-sebp-compiled", "torch", "triton", compiled=True),
   Variant("torch-sebp-topn-compiled", "torch", "triton", max_rows="paper", compiled=True),

@@ -255,11 +255,12 @@ def test_launch_options_hold_while_the_variant_runs_and_no_plan_outlives_them(mo
 
   monkeypatch.setattr(kernels, "_sms", lambda device: 8)  # no GPU to ask
   shape = (256, 64, 32, torch.float32, True, True, False, True, True, torch.device("cpu"))
+  monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0)  # dX first on every shape
   kernels._default_gemm_plan.cache_clear()
   assert kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
-  with torch_launch.launch_options((("_DX_FIRST", False),)):
-    assert not kernels._DX_FIRST and not kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
-  assert kernels._DX_FIRST and kernels._default_gemm_plan.cache_info().currsize == 0
+  with torch_launch.launch_options((("_DX_FIRST_WAVES", math.inf),)):
+    assert kernels._DX_FIRST_WAVES == math.inf and not kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
+  assert kernels._DX_FIRST_WAVES == 0 and kernels._default_gemm_plan.cache_info().currsize == 0
   with pytest.raises(ValueError, match="launch option '_DX_LAST'"):
     with torch_launch.launch_options((("_DX_LAST", True),)):
       pass

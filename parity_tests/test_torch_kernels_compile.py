@@ -11,6 +11,7 @@ constexprs and launch options), for both GEMM operand widths.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather
 
   monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
   monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's or H200's
-  monkeypatch.setattr(kernels, "_DX_FIRST", dx_first)
+  monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0 if dx_first else math.inf)
   M, N, K = 300, 3072, 768  # BERT-base's FFN up, a few kept rows
   plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
                                   torch.device("cuda"), kernels.default_config(dtype))
@@ -127,3 +128,21 @@ def test_bf16_launch_fits_two_programs_per_sm(layer, with_db, split):
   resources, plan = launch_resources(M, N, K, torch.bfloat16, with_db=with_db, split=split)
   assert plan.split == split and resources.spill_bytes == 0
   assert resources.programs_per_sm >= 2, resources
+
+
+@pytest.mark.parametrize("layer, dx_first", [("bert_base_attn", False), ("bert_base_ffn_up", False),
+                                             ("llama32_3b_attn_q_o_b1", True), ("llama32_3b_mlp_up_b1", True)])
+def test_dx_programs_go_first_where_dw_fills_two_waves(monkeypatch, layer, dx_first):
+  """On an H200 (132 SMs, 264 slots) BERT's dW launches hold 36-288 programs: dW's go first, dX's
+  fill the wave's tail; LLaMA-3B's q/o and MLP hold 576 and 1,536 (2.2 and 5.8 waves): dX's go
+  first, or their long column streams start only once dW has nearly run (NOTES_torch "v30
+  measured")."""
+  from benchmarks.launch_resources_torch import LAYERS
+  from sebp_torch_ref import kernels
+
+  monkeypatch.setattr(kernels, "_sms", lambda device: 132)
+  _, M, N, K, with_db = next(entry for entry in LAYERS if entry[0] == layer)
+  plan = kernels._build_gemm_plan(M, N, K, torch.bfloat16, True, True, with_db, True, True,
+                                  torch.device("cuda"), kernels.default_config(torch.bfloat16))
+  assert plan.gemm["DX_FIRST"] == dx_first, plan.dw_programs
+  assert plan.gemm["DX_FIRST"] == (plan.dw_programs >= 2 * 264)

@@ -624,6 +624,9 @@ def test_triton_plan_bias_gradient_sums_the_kept_rows(kept, rows, out_features, 
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
 
+    if split and not kernels._INTERPRET:
+        # On a GPU dW splits only into slices of _MIN_SLICE_BLOCKS row blocks or more: two slices.
+        rows = 2 * kernels._MIN_SLICE_BLOCKS * kernels.default_config(dtype)["dw"]["BLOCK_M"] + 22
     gen = _generator("plan-db", rows, out_features, kept)
     keep = torch.rand(rows, generator=gen) < 0.7
     keep[0] = kept == "some"
@@ -720,7 +723,7 @@ def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_s
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
 
-    monkeypatch.setattr(kernels, "_DX_FIRST", dx_first)
+    monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0 if dx_first else math.inf)
 
     dtype = torch.float32
     # More dX tiles than the launch's programs (interpreter: 32 x 32 tiles, 16 programs; GPU:

@@ -495,12 +495,15 @@ _INTERPRETER_SMS = 8  # a pretend GPU, so that the CPU tests run dW with several
 # programs, still more than the live dX tiles).
 _MIN_SLICE_BLOCKS = 16
 _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
-# dX's programs first in the launch's grid (the GPU starts programs in grid order). With few kept
-# rows dX's few live tiles each stream a column block of all of W, the launch's longest programs;
-# behind dW's they start only once dW has nearly run (LLaMA-3B's MLP up at b1: 1,536 dW tiles, 11.6
-# waves at one program per SM, before 24 live dX tiles). dX's programs without a tile return at
-# once. v30 candidate, benchmarks/NOTES_torch.md.
-_DX_FIRST = True
+# dX's programs go first in the launch's grid (the GPU starts programs in grid order) where dW's
+# fill at least this many waves of the launch's slots (_PROGRAMS_PER_SM per SM). With few kept
+# rows dX's few live tiles each stream a column block of all of W, the launch's longest programs:
+# behind many waves of dW's they start only once dW has nearly run, while behind one wave they fill
+# its tail. v30 on one H200 (benchmarks/NOTES_torch.md, "v30 measured"): dX first took 23-31 % off
+# LLaMA-3B's MLP, q/o and LM head at 2-5 % real rows (1,536 dW programs on MLP up, 5.8 waves; 576
+# on q/o, 2.2); dW first was 5-17 % faster on BERT's 768-wide layers (36-288 dW programs) at 5-50 %.
+# dX's programs without a tile return at once.
+_DX_FIRST_WAVES = 2
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
 # launch does (`benchmarks/launch_resources_torch.py`).
@@ -531,6 +534,12 @@ def _dw_split(tiles: int, row_blocks: int, device: torch.device) -> int:
     as many as ``row_blocks`` (all ``M`` rows kept) fill with slices of ``_min_slice_blocks()``."""
     most = max(1, row_blocks // _min_slice_blocks())
     return max(1, min(_MAX_SPLIT, round(_PROGRAMS_PER_SM * _sms(device) / tiles), most))
+
+
+def _dx_first(dw_programs: int, device: torch.device) -> bool:
+    """Whether dX's programs go before dW's in the launch's grid: where dW's fill at least
+    ``_DX_FIRST_WAVES`` waves of ``_PROGRAMS_PER_SM`` programs per SM."""
+    return dw_programs >= _DX_FIRST_WAVES * _PROGRAMS_PER_SM * _sms(device)
 
 
 def _dx_programs(tiles: int, device: torch.device) -> int:
@@ -635,7 +644,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
-        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_DX_FIRST,
+        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_dx_first(dw_programs, device),
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
