@@ -17,8 +17,9 @@ one, written as JSON rows that stand beside the JAX results in one table.
   slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
   up to the split), ``sebp_triton_plan_dw_first`` and ``sebp_triton_plan_dx_first``: dW's or
   dX's programs first in the grid on every layer (the default puts dX's first where dW's fill two
-  waves of the GPU or more). A/Bs of the launch's plan; their eager times also rebuild it per call,
-  so compare graph times.
+  waves of the GPU or more), ``sebp_triton_plan_dx_steal``: dX's programs taking their tiles from
+  a counter. A/Bs of the launch's plan; their eager times also rebuild it per call, so compare
+  graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -92,6 +93,7 @@ _LAUNCH_VARIANTS = {
     **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
     "sebp_triton_plan_dw_first": dict(_DX_FIRST_WAVES=math.inf),
     "sebp_triton_plan_dx_first": dict(_DX_FIRST_WAVES=0),
+    "sebp_triton_plan_dx_steal": dict(_DX_STEAL=True),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16

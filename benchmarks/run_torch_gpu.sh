@@ -113,7 +113,7 @@ elif [ "$suite" = compiled-bert-host ]; then
   stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
     "$out/bert_torch_compiled.json"
 elif [ "$suite" = layer ]; then
-  # 2026-11-29: 93 s for six shapes and three planned variants (now six variants and the LM head).
+  # 2026-11-29 (v30): 150 s for seven shapes and six planned variants (now seven).
   stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP, q/o and LM head)" $py -m benchmarks.layer_torch \
     --check --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1,llama32_3b_lm_head_b1 \
     --out "$out/layer_torch.json"

@@ -54,31 +54,37 @@ _ROWS = [(True, False), (True, True), (False, False)]
 
 
 def _grads_cases():
-  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split, dx_first in itertools.product(
-      _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False)):
+  for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split, dx_first, steal in itertools.product(
+      _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False), (False, True)):
     if (split > 1 and not do_dw) or (dx_slots and not do_dx) or (not dx_first and not (do_dx and do_dw)):
       continue  # the same program as split 1 / without slots / in the other order
-    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first,
+    if steal and (split > 1 or dx_first):
+      continue  # stealing dX's tiles is for dX behind dW, and dW's split does not touch it
+    yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, steal,
                        id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}"
-                          f"-split{split}-dxfirst{dx_first:d}")
+                          f"-split{split}-dxfirst{dx_first:d}-steal{steal:d}")
 
 
-@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first",
+@pytest.mark.parametrize("dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, steal",
                          list(_grads_cases()))
-def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first):
+def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first,
+                               steal):
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_dw_split", lambda *_: split)  # sized from a GPU's SM count
   monkeypatch.setattr(kernels, "_sms", lambda device: 132)  # an H100's or H200's
   monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0 if dx_first else math.inf)
+  monkeypatch.setattr(kernels, "_DX_STEAL", steal)
   M, N, K = 300, 3072, 768  # BERT-base's FFN up, a few kept rows
   plan = kernels._build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots,
                                   torch.device("cuda"), kernels.default_config(dtype))
   assert plan.split == (split if do_dw else 1) and plan.gemm["DX_FIRST"] == dx_first
+  assert plan.gemm["DX_STEAL"] == steal
   pointer = _POINTER[dtype]
   _compile(kernels._grads_kernel, plan.gemm, dict(
     dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
-    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", db_partial_ptr="*fp32"))
+    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", db_partial_ptr="*fp32",
+    dx_next_ptr="*i32"))
 
 
 @pytest.mark.parametrize("dtype", list(_POINTER), ids=str)

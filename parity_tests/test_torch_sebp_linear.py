@@ -714,16 +714,19 @@ class _Recorded:
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("kept", ["none", "one", "scattered", "all"])
 @pytest.mark.parametrize("dx_slots", [False, True], ids=["in_place", "slots"])
-@pytest.mark.parametrize("dx_first", [True, False], ids=["dx_first", "dw_first"])
-def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_slots, dx_first, device):
+@pytest.mark.parametrize("dx_first, steal", [(True, False), (False, False), (False, True)],
+                         ids=["dx_first", "dw_first", "dw_first_steal"])
+def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_slots, dx_first, steal, device):
     """The dX launch is persistent: fewer programs than dX has tiles, each looping over its share
-    of those with work. Every row is still written once: the kept rows' dX, and the dropped rows'
-    zeros (in place) or the zero row they read (slots), with no kept row (the first row block
-    still runs, for row M), one, or all; with dX's programs before dW's in the grid or after."""
+    of those with work, or (``steal``) over the tiles it takes from a counter. Every row is still
+    written once: the kept rows' dX, and the dropped rows' zeros (in place) or the zero row they
+    read (slots), with no kept row (the first row block still runs, for row M), one, or all; with
+    dX's programs before dW's in the grid or after."""
     _skip_unavailable("triton", device)
     from sebp_torch_ref import kernels
 
     monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0 if dx_first else math.inf)
+    monkeypatch.setattr(kernels, "_DX_STEAL", steal)
 
     dtype = torch.float32
     # More dX tiles than the launch's programs (interpreter: 32 x 32 tiles, 16 programs; GPU:
@@ -740,7 +743,7 @@ def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_s
     plan = kernels._build_gemm_plan(rows, OUT_FEATURES, in_features, dtype, True, True, False, True,
                                     dx_slots, x.device, config)
     tiles = -(-rows // config["dx"]["BLOCK_M"]) * -(-in_features // config["dx"]["BLOCK_K"])
-    assert plan.dx_programs < tiles and plan.gemm["DX_FIRST"] == dx_first
+    assert plan.dx_programs < tiles and plan.gemm["DX_FIRST"] == dx_first and plan.gemm["DX_STEAL"] == steal
     with _uninitialized_memory_is_nan():
         dx, dw, _ = kernels.sebp_gemms(dy.to(device), weight, x, perm, count, dtype, compacted=False,
                                        config=config, dx_slots=dx_slots)

@@ -413,13 +413,13 @@ def _dw_tile(
 @triton.jit
 def _grads_kernel(
     dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
-    db_ptr, db_partial_ptr, M, N, K, dw_programs, dx_programs,
+    db_ptr, db_partial_ptr, dx_next_ptr, M, N, K, dw_programs, dx_programs,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MIN_SLICE: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr, WITH_DB: tl.constexpr,
     GATHER: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DX_SLOTS: tl.constexpr,
-    DX_FIRST: tl.constexpr,
+    DX_FIRST: tl.constexpr, DX_STEAL: tl.constexpr,
 ):
     """``dx_programs`` programs of dX and ``dw_programs`` of dW (with ``WITH_DB`` some of those
     also sum db), dX's first in the grid with ``DX_FIRST``, else dW's. One launch, so that with
@@ -430,7 +430,9 @@ def _grads_kernel(
     with ``DX_SLOTS``, at least the first row block, which writes row ``M``). A program per tile
     of all ``M`` rows would launch thousands that find nothing to do past ``count`` (BERT-base at
     batch 32: 1,536 dX tiles for ~24 with kept rows at 2.5 % real tokens); the JAX dX launch is
-    persistent for the same reason."""
+    persistent for the same reason. With ``DX_STEAL`` each takes its next tile from the counter
+    at ``dx_next_ptr`` (zero at launch) instead: a program that starts late, behind dW's, takes
+    fewer."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     dw_pid = pid
@@ -454,12 +456,20 @@ def _grads_kernel(
                 row_blocks = tl.maximum(tl.cdiv(count, DX_BLOCK_M), 1)
             else:
                 row_blocks = tl.cdiv(M, DX_BLOCK_M)
-            for tile in range(dx_pid, row_blocks * tl.cdiv(K, DX_BLOCK_K), dx_programs):
+            tiles = row_blocks * tl.cdiv(K, DX_BLOCK_K)
+            tile = dx_pid
+            if DX_STEAL:
+                tile = tl.atomic_add(dx_next_ptr, 1, sem="relaxed")
+            while tile < tiles:
                 _dx_tile(
                     tile, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
                     stride_dym, stride_dyn, stride_wn, stride_wk, stride_dxm, stride_dxk,
                     DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST, DX_SLOTS,
                 )
+                if DX_STEAL:
+                    tile = tl.atomic_add(dx_next_ptr, 1, sem="relaxed")
+                else:
+                    tile += dx_programs
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -504,6 +514,13 @@ _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # on q/o, 2.2); dW first was 5-17 % faster on BERT's 768-wide layers (36-288 dW programs) at 5-50 %.
 # dX's programs without a tile return at once.
 _DX_FIRST_WAVES = 2
+# dX's persistent programs take their tiles from a counter (work stealing) instead of every
+# dx_programs-th tile each. v30's layer A/B (benchmarks/NOTES_torch.md, "v30 measured", call 5):
+# behind dW's programs, one dX program per tile beat the persistent programs' fixed shares by
+# 13-18 % on BERT's FFN at 20-100 % real rows (a share that starts late ends late) and lost 6 µs at
+# 2 % (thousands of programs without a tile). A counter keeps both. Not yet measured: an A/B
+# (`layer_torch`'s `sebp_triton_plan_dx_steal`), off by default.
+_DX_STEAL = False
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
 # launch does (`benchmarks/launch_resources_torch.py`).
@@ -644,7 +661,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
-        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_dx_first(dw_programs, device),
+        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_dx_first(dw_programs, device), DX_STEAL=_DX_STEAL,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
@@ -828,7 +845,9 @@ def sebp_gemms(
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
-    partial = arrivals = db_partial = count
+    partial = arrivals = db_partial = dx_next = count
+    if dx is not None and plan.gemm["DX_STEAL"]:  # the counter dX's programs take tiles from
+        dx_next = torch.zeros(1, dtype=torch.int32, device=device)
     if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
         arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
@@ -837,7 +856,7 @@ def sebp_gemms(
     _launcher(_grads_kernel, traceable)[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
         dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
-        count if db is None else db, db_partial, M, N, K, plan.dw_programs, plan.dx_programs,
+        count if db is None else db, db_partial, dx_next, M, N, K, plan.dw_programs, plan.dx_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
         *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
         **plan.gemm,
