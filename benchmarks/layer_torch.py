@@ -199,8 +199,9 @@ TUNE_CANDIDATES = [
         (128, 64, 128, 8, 3), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (128, 32, 128, 4, 4),
         (128, 64, 256, 8, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4),
         (64, 64, 64, 4, 4), (128, 128, 128, 8, 3),
-        # The wide dX tile (128, 64, 128) holds ~168 registers at 8 warps, one program per SM;
-        # these two fit two (101 and 116 registers, ptxas on CPU: benchmarks/NOTES_torch.md).
+        # The 128-row dX tile (128, 64, 128) holds ~168 registers at 8 warps, one program per SM;
+        # these two fit two (101 and 116 registers, ptxas on CPU: benchmarks/NOTES_torch.md; the
+        # second is the default dX tile since v30).
         (128, 64, 64, 8, 3), (64, 64, 128, 8, 3),
     ]
 ]
