@@ -511,8 +511,8 @@ _INTERPRETER_MIN_SLICE_BLOCKS = 1  # the CPU tests' few rows still run the split
 # behind many waves of dW's they start only once dW has nearly run, while behind one wave they fill
 # its tail. v30 on one H200 (benchmarks/NOTES_torch.md, "v30 measured"): dX first took 23-31 % off
 # LLaMA-3B's MLP, q/o and LM head at 2-5 % real rows (1,536 dW programs on MLP up, 5.8 waves; 576
-# on q/o, 2.2); dW first was 5-17 % faster on BERT's 768-wide layers (36-288 dW programs) at 5-50 %.
-# dX's programs without a tile return at once.
+# on q/o, 2.2); on BERT's layers (36-288 dW programs) dW first was up to 17 % faster at 10-50 %
+# (attn at 20 %: 46 -> 38 µs) and within 3 µs at 2-5 %. dX's programs without a tile return at once.
 _DX_FIRST_WAVES = 2
 # dX's persistent programs take their tiles from a counter (work stealing) instead of every
 # dx_programs-th tile each. v30's layer A/B (benchmarks/NOTES_torch.md, "v30 measured", call 5):
