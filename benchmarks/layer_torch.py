@@ -13,13 +13,13 @@ one, written as JSON rows that stand beside the JAX results in one table.
   through the plan's permutation, ``dX`` in the plan's order; the plan (the active prefixes) made
   once, outside the timing.
 * ``sebp_triton_plan_per_tile``: the same launch with one dX program per tile of all ``M`` rows, as
-  before v27's persistent dX programs, ``sebp_triton_plan_min_slice_{1,8}``: dW's split using a
-  slice per that many kept row blocks at least (the default is 16; 1 is v29's, a slice per block
-  up to the split), ``sebp_triton_plan_dw_first`` and ``sebp_triton_plan_dx_first``: dW's or
-  dX's programs first in the grid on every layer (the default puts dX's first where dW's fill two
-  waves of the GPU or more), ``sebp_triton_plan_dx_steal``: dX's programs taking their tiles from
-  a counter. A/Bs of the launch's plan; their eager times also rebuild it per call, so compare
-  graph times.
+  before v27's persistent dX programs, ``sebp_triton_plan_min_slice_8``: dW's split using a slice
+  per 8 kept row blocks at least (the default is 16), ``sebp_triton_plan_dw_first`` and
+  ``sebp_triton_plan_dx_first``: dW's or dX's programs first in the grid on every layer (the
+  default puts dX's first where dW's fill two waves of the GPU or more),
+  ``sebp_triton_plan_dx_steal``: dX's programs taking their tiles from a counter,
+  ``sebp_triton_plan_dx_k64``: dX's tile 64 columns wide (the default's is 128). A/Bs of the
+  launch's plan; their eager times also rebuild it per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
   no selection): the floor SEBP aims at.
 
@@ -90,10 +90,12 @@ FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
 _LAUNCH_VARIANTS = {
     "sebp_triton_plan": {},
     "sebp_triton_plan_per_tile": dict(_dx_programs=lambda tiles, device: tiles),
-    **{f"sebp_triton_plan_min_slice_{blocks}": dict(_MIN_SLICE_BLOCKS=blocks) for blocks in (1, 8)},
+    "sebp_triton_plan_min_slice_8": dict(_MIN_SLICE_BLOCKS=8),
     "sebp_triton_plan_dw_first": dict(_DX_FIRST_WAVES=math.inf),
     "sebp_triton_plan_dx_first": dict(_DX_FIRST_WAVES=0),
     "sebp_triton_plan_dx_steal": dict(_DX_STEAL=True),
+    # dX's tile 64 columns wide instead of 128: twice the live tiles where few rows are kept.
+    "sebp_triton_plan_dx_k64": dict(_TILES={**kernels._TILES, ("dx", 2): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)}),
 }
 IMPLS = ("dense", "sebp_triton", "sebp_triton_gather", *_LAUNCH_VARIANTS, "sebp_torch", "ideal")
 DTYPE = torch.bfloat16

@@ -80,11 +80,35 @@ def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather
                                   torch.device("cuda"), kernels.default_config(dtype))
   assert plan.split == (split if do_dw else 1) and plan.gemm["DX_FIRST"] == dx_first
   assert plan.gemm["DX_STEAL"] == steal
+  _compile(kernels._grads_kernel, plan.gemm, _grads_pointers(dtype))
+
+
+def _grads_pointers(dtype) -> dict[str, str]:
   pointer = _POINTER[dtype]
-  _compile(kernels._grads_kernel, plan.gemm, dict(
-    dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
-    perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32", db_partial_ptr="*fp32",
-    dx_next_ptr="*i32"))
+  return dict(dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
+              perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32",
+              db_partial_ptr="*fp32", dx_next_ptr="*i32")
+
+
+def _layer_torch_variants():
+  from benchmarks.layer_torch import _LAUNCH_VARIANTS
+
+  return [pytest.param(options, id=name) for name, options in _LAUNCH_VARIANTS.items()]
+
+
+@pytest.mark.parametrize("options", _layer_torch_variants())
+def test_layer_torch_launch_variants_compile(monkeypatch, options):
+  """Each launch A/B that ``benchmarks.layer_torch`` times on the GPU names attributes the kernels
+  module has and lowers for sm_90, on BERT-base's FFN up under a row plan (bias, dX in the plan's
+  order): a typo or a tile that does not compile fails here, not in a device call."""
+  from benchmarks.torch_launch import launch_options
+  from sebp_torch_ref import kernels
+
+  monkeypatch.setattr(kernels, "_sms", lambda device: 132)
+  with launch_options(tuple(options.items())):
+    plan = kernels._default_gemm_plan(300, 3072, 768, torch.bfloat16, True, True, True, True, True,
+                                      torch.device("cuda"))
+  _compile(kernels._grads_kernel, plan.gemm, _grads_pointers(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
