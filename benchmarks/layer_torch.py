@@ -81,7 +81,7 @@ SHAPES = [
         ]
     ],
     # The tied LM head at b1, a planned layer in the LLaMA step too (dX reads all 128,256 columns
-    # of W per row block; compiled LLaMA b1 went 33.9 -> 35.4 ms with v27's dX launch unexplained).
+    # of W per row block: its few programs behind dW's were v27's +1.5 ms, NOTES_torch "v30").
     Shape("llama32_3b_lm_head_b1", 1, 4096, 3072, 128256),
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)

@@ -20,7 +20,7 @@
 # * compiled-llama-ab: LLaMA-3.2-3B b1 on piqa under torch.compile, dense, the plan and the plan's
 #   launch as up to v29 (dW's programs first: torch-sebp-plan-dw-first-compiled), in one process.
 # * layer: one layer's backward (benchmarks.layer_torch, checked against dense first) on
-#   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP, q/o projections and tied LM head, dense,
+#   BERT-base's three shapes and LLaMA-3.2-3B b1's MLP, q/o and k/v projections and tied LM head, dense,
 #   SEBP (a planned layer's one launch among them) and cuBLAS on the kept rows only, replayed
 #   from CUDA graphs.
 # On a machine of two GPUs the compiled suites run side by side, each with its own OUT and
@@ -113,9 +113,9 @@ elif [ "$suite" = compiled-bert-host ]; then
   stage 10 "speedups over compiled torch dense, way to the compiled bound" $py -m benchmarks.summary \
     "$out/bert_torch_compiled.json"
 elif [ "$suite" = layer ]; then
-  # 2026-11-29 (v30): 150 s for seven shapes and six planned variants (now seven).
-  stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP, q/o and LM head)" $py -m benchmarks.layer_torch \
-    --check --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1,llama32_3b_lm_head_b1 \
+  # 2026-11-29 (v30): 150 s for seven shapes and six planned variants (now eight and seven).
+  stage 400 "one layer (BERT-base shapes, LLaMA-3.2-3B b1 MLP, q/o, k/v and LM head)" $py -m benchmarks.layer_torch \
+    --check --shapes bert,llama32_3b_mlp_up_b1,llama32_3b_mlp_down_b1,llama32_3b_attn_q_o_b1,llama32_3b_attn_k_v_b1,llama32_3b_lm_head_b1 \
     --out "$out/layer_torch.json"
   append "$out/layer_torch.md"
 elif [ "$suite" = compiled-llama-ab ]; then
