@@ -100,6 +100,9 @@ CANDIDATES = {
   # class does). At a few dozen kept rows the gather is a launch and ~8 µs of a ~0.1 ms layer
   # (benchmarks/NOTES.md, "v8"), and the GEMMs stream W, not the rows.
   "in_place": _Config(compact=False),
+  # ... with dX's and dW's programs in one launch, as the torch reference's planned launch runs
+  # them (benchmarks/NOTES.md, "What the torch launch has that the JAX kernels do not").
+  "fused": _Config(compact=False, fused=True),
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
 # Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.

@@ -73,11 +73,13 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
 # * 3 parts at most, to occupy 12 programs: counts up to 16 run 3 parts (2, 2 and 0 steps: an
 #   empty share), up to 32 run 2, past that 1, each of the 12 programs then looping over tiles.
 # compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
-# count (with dW split, and with the first dX split).
+# count (with dW split, and with the first dX split). fused: both GEMMs in one launch, 4
+# persistent dX programs first, then dW's 2 x 5 (split, persistent over 6 tiles).
 DX_SPLIT = dict(dx_split=4, dx_programs=24)
+FUSED = dict(compact=False, fused=True, dx_programs=4, dw_split=2, dw_programs=5)
 SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4, dw_programs=2), DX_SPLIT,
           dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2, dw_programs=5),
-          dict(compact=False, **DX_SPLIT)]
+          dict(compact=False, **DX_SPLIT), FUSED]
 
 
 def _split_id(split: dict) -> str:
@@ -335,6 +337,16 @@ def test_dx_launch_from_the_programs(programs, in_features, split, launch):
   assert pallas_backend._dx_launch(4096, in_features, 64, config) == launch
 
 
+@pytest.mark.parametrize("fused", [dict(compact=True), dict(compact=False, dx_split=4)],
+                         ids=["compact", "dx_split"])
+def test_fused_needs_rows_in_place_and_no_dx_split(fused):
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **fused, "fused": True})
+  x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
+  with pytest.raises(ValueError, match="`fused`.*needs compact=False and dx_split=1"):
+    jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
+                                                   config=config, interpret=True))
+
+
 @pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1),
                                    dict(dw_programs=-1)])
 def test_bad_launch_sizes_are_named(split):
@@ -351,16 +363,20 @@ def test_bad_launch_sizes_are_named(split):
                                    dict(dx_split=4, dx_programs=8),
                                    dict(dx_split=8, dx_programs=132),
                                    dict(compact=False),
-                                   dict(compact=False, dx_split=4, dx_programs=8)],
+                                   dict(compact=False, dx_split=4, dx_programs=8),
+                                   dict(compact=False, fused=True),
+                                   dict(compact=False, fused=True, dw_split=3, dx_programs=3,
+                                        dw_programs=5)],
                          ids=["plain", "dw_split_persistent_dx", "dx_split", "dx_split_all_rows",
-                              "in_place", "in_place_dx_split"])
+                              "in_place", "in_place_dx_split", "fused", "fused_dw_split"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
                                          "crossover": 0.4})
   # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
-  # without the gather.
-  expected = 4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
+  # without the gather, and one fewer with dX and dW in one launch.
+  expected = (4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
+              - split.get("fused", False))
   assert _exported_kernel_count(config, dtype, 500, 192, 320, policy,
                                 kernel_nk=kernel_nk) == expected
 
@@ -411,7 +427,7 @@ def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   num_rows, in_features, out_features = 4096, 3072, 640
   config = tune_blocks.sized_candidate(name, num_rows, in_features, out_features, jnp.bfloat16)
-  expected = 3 + config.compact + (config.dx_split > 1)
+  expected = 3 + config.compact + (config.dx_split > 1) - config.fused
   assert _exported_kernel_count(config, jnp.bfloat16, num_rows, in_features,
                                 out_features) == expected
 
@@ -522,8 +538,9 @@ def test_dx_into_is_checked():
                             config=SMALL_TILES, dx_into=jnp.zeros((32, 16), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False)],
-                         ids=["plain", "dx_split", "in_place"])
+@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False),
+                                   dict(compact=False, fused=True)],
+                         ids=["plain", "dx_split", "in_place", "fused"])
 def test_accumulating_dx_lowers_to_triton_ir(split):
   from jax import export
 
@@ -536,13 +553,15 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, gather (where compacted), dX, dW, and the split dX's reduction.
-  expected = 3 + config.compact + (config.dx_split > 1)
+  # Partition, gather (where compacted), dX, dW (one launch with dX where fused), and the split
+  # dX's reduction.
+  expected = 3 + config.compact + (config.dx_split > 1) - config.fused
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 
-@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False)],
-                         ids=["plain", "dx_split", "in_place"])
+@pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False),
+                                   dict(compact=False, fused=True)],
+                         ids=["plain", "dx_split", "in_place", "fused"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
   # Under a row plan: no partition, dX's dropped rows left unwritten (no zero item) and zeroed
@@ -561,7 +580,8 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
                                                                                        *shapes)
   text = exported.mlir_module()
-  assert text.count("@__gpu$xla.gpu.triton(") == config.compact + 2 + (config.dx_split > 1)
+  assert text.count("@__gpu$xla.gpu.triton(") == (config.compact + 2 + (config.dx_split > 1)
+                                                  - config.fused)
   # No gather puts rows in place (v20 did); the select that zeroes the dropped rows is checked
   # where its effect shows, in the interpreter (NaN in every unwritten row).
   assert "stablehlo.gather" not in text

@@ -55,7 +55,7 @@ from sebp_jax.policy import RowPolicy, keep_mask
 
 __all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
            "backward", "siblings_backward", "sparse_backward", "partition_pallas", "gather_pallas",
-           "dx_pallas", "dw_pallas"]
+           "dx_pallas", "dw_pallas", "grads_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,10 @@ class BlockConfig:
   GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
   chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
   peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
-  instead.
+  instead. ``fused``: dX's and dW's programs in one launch (``sebp_grads``), as the torch
+  reference's planned launch does, instead of one each; it reads the kept rows in place, so it
+  needs ``compact=False`` and ``dx_split == 1``. Its ``num_warps`` and ``num_stages`` are the
+  larger of the two GEMMs'.
 
   ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
   ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
@@ -104,6 +107,7 @@ class BlockConfig:
   dw_programs: int = 0
   compact: bool = True
   crossover: float = 0.4
+  fused: bool = False
 
 
 # Measured tile choices, keyed by (GPU generation, dtype width in bytes, shape class). Tuned with
@@ -441,7 +445,7 @@ def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, precision,
                programs: int, split: int, compact: bool = True, kernel_nk: bool = False,
-               accumulate: bool = False, zero_rows: bool = True):
+               accumulate: bool = False, zero_rows: bool = True, program=None):
   """One persistent program of the dX GEMM: it works through its share of the launch's
   *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
   zero items), then exits.
@@ -469,6 +473,9 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
 
   Without ``zero_rows`` no zero item runs: the rows past the live tiles are never written, and
   hold whatever the buffer held (see :func:`dx_pallas`).
+
+  ``program``: this program's number among the launch's dX programs (default: its program id;
+  :func:`_grads_kernel` passes it).
   """
   if accumulate:
     _, dx_ref, *partials_ref = refs
@@ -483,7 +490,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   if split > 1:
     parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
                       split=split)
-  program = pl.program_id(0)
+  program = pl.program_id(0) if program is None else program
   gemm_items = live_tiles * parts
   zero_items = 0 if accumulate or not zero_rows else (
     (dx_ref.shape[0] // block_m - live_blocks) * col_blocks)
@@ -580,19 +587,22 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
                block_m: int, block_k: int, block_n: int, group: int, programs: int,
-               split: int, precision, compact: bool = True):
+               split: int, precision, compact: bool = True, program=None, part=None):
   """``(block_k, block_n)`` tiles of ``dw``, each summed over the kept rows only (over this
   program's share of them when ``split > 1``: a partial tile at ``dw[part]``): tiles
   ``program, program + programs, ...`` in grouped order (one tile each when ``programs`` is the
   tile count). ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not
-  ``compact``."""
+  ``compact``. ``program``, ``part``: this program's place in the launch's ``(programs, split)``
+  grid (default: its program ids; :func:`_grads_kernel` passes them)."""
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
   count = count_ref[0]
   # Runtime trip count: the cost follows the kept rows, not the padded length. Part `part`
   # takes the `part`-th of `split` contiguous runs of row blocks.
-  part = pl.program_id(1)  # read here: the interpreter has no program_id inside a loop body
+  if part is None:
+    part = pl.program_id(1)  # read here: the interpreter has no program_id inside a loop body
   first, steps = _split_share(pl.cdiv(count, block_m), split, part)
-  program = pl.program_id(0)
+  if program is None:
+    program = pl.program_id(0)
 
   def tile(i, carry):
     k_block, n_block = _grouped_tile(program + i * programs, k_blocks, n_blocks, group)
@@ -615,6 +625,28 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
     tile(0, None)
   else:
     lax.fori_loop(0, pl.cdiv(k_blocks * n_blocks - program, programs), tile, jnp.int32(0))
+
+
+def _grads_kernel(count_ref, perm_ref, dy_ref, kernel_ref, x_ref, *refs, dx_programs: int,
+                  dw_programs: int, dx_body, dw_body, dw_nk: bool):
+  """Both GEMMs in one launch: programs ``0 .. dx_programs - 1`` run ``dx_body`` (a
+  :func:`_dx_kernel`), the ``dw_programs * split`` after them ``dw_body`` (a :func:`_dw_kernel`,
+  part-major), each reading the kept rows of ``dy`` and ``x`` in place. ``refs``: ``dx_body``'s
+  output refs (an accumulator first where it accumulates, then ``dx``), then ``dw``. ``dw_nk``: dW
+  in the ``(N, K)`` layout, its GEMM's operands swapped."""
+  *dx_refs, dw_ref = refs
+  program = pl.program_id(0)
+
+  @pl.when(program < dx_programs)
+  def _():
+    dx_body(count_ref, perm_ref, dy_ref, kernel_ref, *dx_refs, program=program)
+
+  @pl.when(program >= dx_programs)
+  def _():
+    dw_program = program - dx_programs
+    lhs, rhs = (dy_ref, x_ref) if dw_nk else (x_ref, dy_ref)
+    dw_body(count_ref, perm_ref, lhs, rhs, dw_ref, program=dw_program % dw_programs,
+            part=dw_program // dw_programs)
 
 
 def _dx_launch(num_rows: int, in_features: int, out_steps: int,
@@ -640,6 +672,26 @@ def _dx_launch(num_rows: int, in_features: int, out_steps: int,
 _DX_REDUCE_WARPS = 4
 
 
+def _dx_plan(dyc, kernel, config: BlockConfig, precision, kernel_nk: bool, accumulator,
+             zero_rows: bool):
+  """``(programs, split, split_rows, body, dx_shape)`` of the dX GEMM (:func:`dx_pallas`)."""
+  num_rows, out_features = dyc.shape
+  in_features = kernel.shape[1 if kernel_nk else 0]
+  programs, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n,
+                                           config)
+  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
+                           block_n=config.dx_n, group=config.dx_group, precision=precision,
+                           programs=programs, split=split, compact=config.compact,
+                           kernel_nk=kernel_nk, accumulate=accumulator is not None,
+                           zero_rows=zero_rows)
+  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+  if accumulator is not None and (accumulator.shape, accumulator.dtype) != (dx_shape.shape,
+                                                                           dx_shape.dtype):
+    raise ValueError(f"dx_pallas: `accumulator` must be {dx_shape.dtype}{list(dx_shape.shape)}, "
+                     f"got {accumulator.dtype}{list(accumulator.shape)}.")
+  return programs, split, split_rows, body, dx_shape
+
+
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False, kernel_nk: bool = False,
               accumulator: jax.Array | None = None, zero_rows: bool = True) -> jax.Array:
@@ -663,23 +715,12 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
-  num_rows, out_features = dyc.shape
+  num_rows = dyc.shape[0]
   in_features = kernel.shape[1 if kernel_nk else 0]
-  programs, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n,
-                                           config)
+  programs, split, split_rows, body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
+                                                         accumulator, zero_rows)
   launch = functools.partial(_launch, interpret=interpret)
-  body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                           block_n=config.dx_n, group=config.dx_group, precision=precision,
-                           programs=programs, split=split, compact=config.compact,
-                           kernel_nk=kernel_nk, accumulate=accumulator is not None,
-                           zero_rows=zero_rows)
-  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
-  operands = (count, perm, dyc, kernel)
-  if accumulator is not None:
-    if (accumulator.shape, accumulator.dtype) != (dx_shape.shape, dx_shape.dtype):
-      raise ValueError(f"dx_pallas: `accumulator` must be {dx_shape.dtype}{list(dx_shape.shape)}, "
-                       f"got {accumulator.dtype}{list(accumulator.shape)}.")
-    operands += (accumulator,)
+  operands = (count, perm, dyc, kernel) + (() if accumulator is None else (accumulator,))
   gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
                            stages=config.dx_stages, name="sebp_dx",
                            input_output_aliases=None if accumulator is None else {4: 0})
@@ -707,6 +748,15 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(K, N)`` in ``xc.dtype``.
   """
+  programs, split, body, out_shape = _dw_plan(xc, dyc, config, precision)
+  dw = _launch(body, out_shape, grid=(programs, split), warps=config.dw_warps,
+               stages=config.dw_stages, interpret=interpret, name="sebp_dw")(count, perm, xc, dyc)
+  return _summed_dw(dw, xc.dtype)
+
+
+def _dw_plan(xc, dyc, config: BlockConfig, precision):
+  """``(programs, split, body, out_shape)`` of the dW GEMM (:func:`dw_pallas`): with
+  ``dw_split > 1`` its output is the float32 partial tiles, ``(split, K, N)``."""
   in_features, out_features = xc.shape[1], dyc.shape[1]
   split = config.dw_split
   if config.dw_programs < 0:
@@ -718,10 +768,35 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
                            split=split, precision=precision, compact=config.compact)
   out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
     (split, in_features, out_features), jnp.float32)
-  dw = _launch(body, jax.ShapeDtypeStruct(*out_shape), grid=(programs, split),
-               warps=config.dw_warps, stages=config.dw_stages, interpret=interpret,
-               name="sebp_dw")(count, perm, xc, dyc)
-  return dw if split == 1 else dw.sum(axis=0).astype(xc.dtype)
+  return programs, split, body, jax.ShapeDtypeStruct(*out_shape)
+
+
+def _summed_dw(dw, dtype):
+  """The dW launch's output as ``dw``: its partial tiles summed where it split (by XLA)."""
+  return dw if dw.ndim == 2 else dw.sum(axis=0).astype(dtype)
+
+
+def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config: BlockConfig,
+                 precision=None, interpret: bool = False, kernel_nk: bool = False,
+                 accumulator: jax.Array | None = None, zero_rows: bool = True):
+  """``(dx, dw)`` in one launch (``sebp_grads``): :func:`dx_pallas`'s programs, then
+  :func:`dw_pallas`'s, on ``x`` and ``dy`` read in place (``config.fused``). ``dw_config``: the
+  dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as :func:`_products`
+  hands them); the other arguments as :func:`dx_pallas`'s."""
+  dx_programs, split, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
+                                                      accumulator, zero_rows)
+  assert split == 1, "fused needs dx_split == 1 (checked by _check_fused)"
+  lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
+  dw_programs, dw_split, dw_body, dw_shape = _dw_plan(lhs, rhs, dw_config, precision)
+  body = functools.partial(_grads_kernel, dx_programs=dx_programs, dw_programs=dw_programs,
+                           dx_body=dx_body, dw_body=dw_body, dw_nk=kernel_nk)
+  operands = (count, perm, dyc, kernel, xc) + (() if accumulator is None else (accumulator,))
+  dx, dw = _launch(body, (dx_shape, dw_shape), grid=(dx_programs + dw_programs * dw_split,),
+                   warps=max(config.dx_warps, config.dw_warps),
+                   stages=max(config.dx_stages, config.dw_stages), interpret=interpret,
+                   name="sebp_grads",
+                   input_output_aliases=None if accumulator is None else {5: 0})(*operands)
+  return dx, _summed_dw(dw, xc.dtype)
 
 
 def _in_features(x, kernel, kernel_nk: bool) -> int:
@@ -745,30 +820,46 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
               out_features: int, config: BlockConfig, precision, interpret: bool,
               kernel_nk: bool, dx_into, zero_rows: bool = True):
   """dX and dW of one layer from its (compacted or in-place) rows: ``xc`` (or ``None``) and
-  ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``. ``zero_rows``: as in
-  :func:`dx_pallas`."""
+  ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``: one launch each, or
+  one for both (``config.fused``). ``zero_rows``: as in :func:`dx_pallas`."""
+  _check_fused(config)
   m_pad, n_pad = dyc.shape
   k_pad = _k_pad(in_features, config) if xc is None else xc.shape[1]
+  padded_kernel = None if kernel is None else _pad_to(
+    kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad))
+  accumulator = None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad))
+  # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
+  # two sides too (the padding above is by tile side, so it still fits).
+  dw_config, dw_shape = config, (in_features, out_features)
+  if kernel_nk:
+    dw_shape = (out_features, in_features)
+    dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
   dx = dw = None
-  if kernel is not None:
-    dx = dx_pallas(dyc, _pad_to(kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)), perm,
-                   count, config=config, precision=precision, interpret=interpret,
-                   kernel_nk=kernel_nk,
-                   accumulator=None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad)),
-                   zero_rows=zero_rows)
-    if dx.shape != (num_rows, in_features):
-      dx = dx[:num_rows, :in_features]
-  if xc is not None:
-    # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
-    # two sides too (the padding above is by tile side, so it still fits).
-    lhs, rhs, dw_config, dw_shape = (xc, dyc, config, (in_features, out_features))
-    if kernel_nk:
-      lhs, rhs, dw_shape = dyc, xc, (out_features, in_features)
-      dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
-    dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
-                   interpret=interpret)
-    dw = dw[:dw_shape[0], :dw_shape[1]] if dw.shape != dw_shape else dw
+  if config.fused and kernel is not None and xc is not None:
+    dx, dw = grads_pallas(xc, dyc, padded_kernel, perm, count, config=config,
+                          dw_config=dw_config, precision=precision, interpret=interpret,
+                          kernel_nk=kernel_nk, accumulator=accumulator, zero_rows=zero_rows)
+  else:
+    if kernel is not None:
+      dx = dx_pallas(dyc, padded_kernel, perm, count, config=config, precision=precision,
+                     interpret=interpret, kernel_nk=kernel_nk, accumulator=accumulator,
+                     zero_rows=zero_rows)
+    if xc is not None:
+      lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
+      dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
+                     interpret=interpret)
+  if dx is not None and dx.shape != (num_rows, in_features):
+    dx = dx[:num_rows, :in_features]
+  if dw is not None and dw.shape != dw_shape:
+    dw = dw[:dw_shape[0], :dw_shape[1]]
   return dx, dw
+
+
+def _check_fused(config: BlockConfig) -> None:
+  if config.fused and (config.compact or config.dx_split > 1):
+    raise ValueError("`fused` (dX and dW in one launch) reads the kept rows in place and splits "
+                     f"no dX tile: it needs compact=False and dx_split=1, got "
+                     f"compact={config.compact}, dx_split={config.dx_split}.")
 
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
