@@ -51,7 +51,7 @@ __all__ = ["family_times", "fusion_sources", "gpu_kernel_events", "kernel_family
 _FAMILIES = (
   ("SEBP dX", ("sebp_dx",)),
   ("SEBP dW", ("sebp_dw", "_split_sum_kernel")),
-  ("SEBP dX + dW (one launch)", ("_grads_kernel",)),
+  ("SEBP dX + dW (one launch)", ("sebp_grads", "_grads_kernel")),
   ("SEBP partition", ("sebp_partition", "_select_kernel", "_compact_kernel")),
   ("SEBP gather", ("sebp_gather", "_gather_kernel")),
   ("attention (cuDNN)", ("cudnn", "flash", "fmha", "attention")),

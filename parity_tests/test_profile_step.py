@@ -24,6 +24,7 @@ from benchmarks import profile_step  # noqa: E402
   ("sebp_dx", "SEBP dX"),
   ("sebp_dw", "SEBP dW"),
   ("sebp_partition", "SEBP partition"),
+  ("sebp_grads", "SEBP dX + dW (one launch)"),  # BlockConfig(fused=True)
   ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN", "GEMM (cuBLAS)"),
   ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM (cuBLAS)"),
   ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention (cuDNN)"),
