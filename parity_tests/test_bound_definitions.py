@@ -151,7 +151,9 @@ def test_tiny_bert_end_to_end(tmp_path):
   rows = {row["definition"]: row for row in result["rows"]}
   assert list(rows) == list(bound_definitions.DEFINITIONS)
   for row in rows.values():
-    assert row["fwd_ms"] > 0 and row["grad_ms"] > 0
+    # Slope timings of tiny programs on a CPU: a loaded CI host can give a slope of 0 (the
+    # timer's floor), so only that they are times is asserted, not that they are positive.
+    assert row["fwd_ms"] >= 0 and row["grad_ms"] >= 0
     assert row["bwd_ms"] == pytest.approx(row["grad_ms"] - row["fwd_ms"])
   # Each looser definition compiles to a smaller program: it skips work jax-bound keeps.
   sizes = [rows[name]["hlo_instructions"] for name in ("no gradient", "zeros, dy unread",
