@@ -347,6 +347,15 @@ def test_fused_needs_rows_in_place_and_no_dx_split(fused):
                                                    config=config, interpret=True))
 
 
+def test_grads_pallas_called_directly_checks_dx_split():
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "compact": False, "dx_split": 4})
+  x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
+  perm, count = jnp.arange(32, dtype=jnp.int32), jnp.array([32], jnp.int32)
+  with pytest.raises(ValueError, match="grads_pallas: needs dx_split=1, got dx_split=4"):
+    pallas_backend.grads_pallas(x, dy, kernel, perm, count, config=config, dw_config=config,
+                                interpret=True)
+
+
 @pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1),
                                    dict(dw_programs=-1)])
 def test_bad_launch_sizes_are_named(split):

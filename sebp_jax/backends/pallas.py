@@ -783,9 +783,10 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   :func:`dw_pallas`'s, on ``x`` and ``dy`` read in place (``config.fused``). ``dw_config``: the
   dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as :func:`_products`
   hands them); the other arguments as :func:`dx_pallas`'s."""
-  dx_programs, split, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
-                                                      accumulator, zero_rows)
-  assert split == 1, "fused needs dx_split == 1 (checked by _check_fused)"
+  if config.dx_split > 1:  # its partial tiles would need dx_pallas's reduction launch
+    raise ValueError(f"grads_pallas: needs dx_split=1, got dx_split={config.dx_split}.")
+  dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
+                                                  accumulator, zero_rows)
   lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
   dw_programs, dw_split, dw_body, dw_shape = _dw_plan(lhs, rhs, dw_config, precision)
   body = functools.partial(_grads_kernel, dx_programs=dx_programs, dw_programs=dw_programs,
