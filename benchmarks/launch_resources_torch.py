@@ -56,7 +56,7 @@ def launch_resources(M: int, N: int, K: int, dtype: torch.dtype, *, with_db: boo
                 stride_dxm=K, stride_dxk=1)
     constants.update({name: 1 for name, value in ints.items() if value == 1})
     pointers = {n: _POINTER[dtype] if n in ("dy_ptr", "w_ptr", "x_ptr", "dx_ptr", "dw_ptr", "db_ptr")
-                else "*i32" if n in ("perm_ptr", "count_ptr", "arrivals_ptr", "dx_next_ptr") else "*fp32"
+                else "*i32" if n in ("perm_ptr", "count_ptr", "counters_ptr") else "*fp32"
                 for n in kernel.arg_names if n.endswith("_ptr")}
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in kernel.arg_names}
     hinted = [n for n in kernel.arg_names if n in pointers or (n not in constants and ints.get(n, 1) % 16 == 0)]

@@ -103,6 +103,10 @@ CANDIDATES = {
   # ... with dX's and dW's programs in one launch, as the torch reference's planned launch runs
   # them (benchmarks/NOTES.md, "What the torch launch has that the JAX kernels do not").
   "fused": _Config(compact=False, fused=True),
+  # ... and on the compacted rows: v31 (benchmarks/NOTES.md) measured `fused` 14-24 % faster than
+  # `in_place` and the default at 2 % real rows, and up to 1.7x slower than the default at 13-50 %,
+  # where the GEMMs' loads through the permutation cost more than the gather saves.
+  "fused_compact": _Config(fused=True),
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
 # Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.

@@ -74,12 +74,13 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
 #   empty share), up to 32 run 2, past that 1, each of the 12 programs then looping over tiles.
 # compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
 # count (with dW split, and with the first dX split). fused: both GEMMs in one launch, 4
-# persistent dX programs first, then dW's 2 x 5 (split, persistent over 6 tiles).
+# persistent dX programs first, then dW's 2 x 5 (split, persistent over 6 tiles), on the rows
+# read in place and on the compacted ones.
 DX_SPLIT = dict(dx_split=4, dx_programs=24)
-FUSED = dict(compact=False, fused=True, dx_programs=4, dw_split=2, dw_programs=5)
+FUSED = dict(fused=True, dx_programs=4, dw_split=2, dw_programs=5)
 SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4, dw_programs=2), DX_SPLIT,
           dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2, dw_programs=5),
-          dict(compact=False, **DX_SPLIT), FUSED]
+          dict(compact=False, **DX_SPLIT), dict(compact=False, **FUSED), FUSED]
 
 
 def _split_id(split: dict) -> str:
@@ -337,12 +338,12 @@ def test_dx_launch_from_the_programs(programs, in_features, split, launch):
   assert pallas_backend._dx_launch(4096, in_features, 64, config) == launch
 
 
-@pytest.mark.parametrize("fused", [dict(compact=True), dict(compact=False, dx_split=4)],
-                         ids=["compact", "dx_split"])
-def test_fused_needs_rows_in_place_and_no_dx_split(fused):
-  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **fused, "fused": True})
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "in_place"])
+def test_fused_needs_no_dx_split(compact):
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, "compact": compact,
+                                         "dx_split": 4, "fused": True})
   x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
-  with pytest.raises(ValueError, match="`fused`.*needs compact=False and dx_split=1"):
+  with pytest.raises(ValueError, match="`fused`.*needs dx_split=1, got dx_split=4"):
     jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
                                                    config=config, interpret=True))
 
@@ -375,9 +376,11 @@ def test_bad_launch_sizes_are_named(split):
                                    dict(compact=False, dx_split=4, dx_programs=8),
                                    dict(compact=False, fused=True),
                                    dict(compact=False, fused=True, dw_split=3, dx_programs=3,
-                                        dw_programs=5)],
+                                        dw_programs=5),
+                                   dict(fused=True), dict(fused=True, dw_split=3)],
                          ids=["plain", "dw_split_persistent_dx", "dx_split", "dx_split_all_rows",
-                              "in_place", "in_place_dx_split", "fused", "fused_dw_split"])
+                              "in_place", "in_place_dx_split", "fused_in_place",
+                              "fused_in_place_dw_split", "fused", "fused_dw_split"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
@@ -548,8 +551,8 @@ def test_dx_into_is_checked():
 
 
 @pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False),
-                                   dict(compact=False, fused=True)],
-                         ids=["plain", "dx_split", "in_place", "fused"])
+                                   dict(compact=False, fused=True), dict(fused=True)],
+                         ids=["plain", "dx_split", "in_place", "fused_in_place", "fused"])
 def test_accumulating_dx_lowers_to_triton_ir(split):
   from jax import export
 
@@ -569,8 +572,8 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
 
 
 @pytest.mark.parametrize("split", [dict(), dict(dx_split=4, dx_programs=8), dict(compact=False),
-                                   dict(compact=False, fused=True)],
-                         ids=["plain", "dx_split", "in_place", "fused"])
+                                   dict(compact=False, fused=True), dict(fused=True)],
+                         ids=["plain", "dx_split", "in_place", "fused_in_place", "fused"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
   # Under a row plan: no partition, dX's dropped rows left unwritten (no zero item) and zeroed

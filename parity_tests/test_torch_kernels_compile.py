@@ -86,8 +86,8 @@ def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather
 def _grads_pointers(dtype) -> dict[str, str]:
   pointer = _POINTER[dtype]
   return dict(dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
-              perm_ptr="*i32", count_ptr="*i32", arrivals_ptr="*i32", partial_ptr="*fp32",
-              db_partial_ptr="*fp32", dx_next_ptr="*i32")
+              perm_ptr="*i32", count_ptr="*i32", counters_ptr="*i32", partial_ptr="*fp32",
+              db_partial_ptr="*fp32")
 
 
 def _layer_torch_variants():

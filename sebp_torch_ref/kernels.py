@@ -412,8 +412,8 @@ def _dw_tile(
 
 @triton.jit
 def _grads_kernel(
-    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, arrivals_ptr,
-    db_ptr, db_partial_ptr, dx_next_ptr, M, N, K, dw_programs, dx_programs,
+    dy_ptr, w_ptr, x_ptr, perm_ptr, count_ptr, dx_ptr, dw_ptr, partial_ptr, counters_ptr,
+    db_ptr, db_partial_ptr, M, N, K, dw_programs, dx_programs,
     stride_dym, stride_dyn, stride_wn, stride_wk, stride_xm, stride_xk, stride_dxm, stride_dxk,
     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
     DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr, DW_BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -430,9 +430,12 @@ def _grads_kernel(
     with ``DX_SLOTS``, at least the first row block, which writes row ``M``). A program per tile
     of all ``M`` rows would launch thousands that find nothing to do past ``count`` (BERT-base at
     batch 32: 1,536 dX tiles for ~24 with kept rows at 2.5 % real tokens); the JAX dX launch is
-    persistent for the same reason. With ``DX_STEAL`` each takes its next tile from the counter
-    at ``dx_next_ptr`` (zero at launch) instead: a program that starts late, behind dW's, takes
-    fewer."""
+    persistent for the same reason. With ``DX_STEAL`` each program runs the tile of its own index
+    first and then takes its next from the counter at ``counters_ptr`` (zero at launch): a
+    program that starts late, behind dW's, takes fewer, and the first tiles still go one to a
+    program in grid order, which spreads them over the SMs (v31: taking the first from the
+    counter too cost up to 10 %, the first takers sharing SMs). ``counters_ptr + 1``: dW's
+    per-tile arrivals, so that one memset zeroes both."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     dw_pid = pid
@@ -445,7 +448,7 @@ def _grads_kernel(
     if DO_DW:
         if (dw_pid >= 0) & (dw_pid < dw_programs):
             _dw_tile(
-                dw_pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, arrivals_ptr, db_ptr, db_partial_ptr,
+                dw_pid, dy_ptr, x_ptr, perm_ptr, dw_ptr, partial_ptr, counters_ptr + 1, db_ptr, db_partial_ptr,
                 count, N, K, stride_dym, stride_dyn, stride_xm, stride_xk,
                 DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, SPLIT, MIN_SLICE, GATHER, INPUT_PRECISION, UPCAST,
                 WITH_DB,
@@ -458,8 +461,6 @@ def _grads_kernel(
                 row_blocks = tl.cdiv(M, DX_BLOCK_M)
             tiles = row_blocks * tl.cdiv(K, DX_BLOCK_K)
             tile = dx_pid
-            if DX_STEAL:
-                tile = tl.atomic_add(dx_next_ptr, 1, sem="relaxed")
             while tile < tiles:
                 _dx_tile(
                     tile, dy_ptr, w_ptr, perm_ptr, dx_ptr, count, M, N, K,
@@ -467,7 +468,7 @@ def _grads_kernel(
                     DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, GATHER, INPUT_PRECISION, UPCAST, DX_SLOTS,
                 )
                 if DX_STEAL:
-                    tile = tl.atomic_add(dx_next_ptr, 1, sem="relaxed")
+                    tile = dx_programs + tl.atomic_add(counters_ptr, 1, sem="relaxed")
                 else:
                     tile += dx_programs
 
@@ -518,8 +519,11 @@ _DX_FIRST_WAVES = 2
 # dx_programs-th tile each. v30's layer A/B (benchmarks/NOTES_torch.md, "v30 measured", call 5):
 # behind dW's programs, one dX program per tile beat the persistent programs' fixed shares by
 # 13-18 % on BERT's FFN at 20-100 % real rows (a share that starts late ends late) and lost 6 µs at
-# 2 % (thousands of programs without a tile). A counter keeps both. Not yet measured: an A/B
-# (`layer_torch`'s `sebp_triton_plan_dx_steal`), off by default.
+# 2 % (thousands of programs without a tile). A counter keeps both. v31 (NOTES_torch "v31
+# measured"), every tile from the counter: 13-17 % off BERT's FFN at 50-100 %, but 2-3 µs more at
+# 2-5 % and 10 % more on LLaMA-3B's LM head at 2 %. Each program now runs its own first tile and
+# takes only the rest from the counter (unmeasured: an A/B, `layer_torch`'s
+# `sebp_triton_plan_dx_steal`), off by default.
 _DX_STEAL = False
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
@@ -845,18 +849,18 @@ def sebp_gemms(
     shape = (M, N, K, dy.dtype, dx is not None, dw is not None, db is not None, not compacted,
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
-    partial = arrivals = db_partial = dx_next = count
-    if dx is not None and plan.gemm["DX_STEAL"]:  # the counter dX's programs take tiles from
-        dx_next = torch.zeros(1, dtype=torch.int32, device=device)
-    if plan.split > 1:  # the slices' float32 partial sums, and each tile's count of arrived slices
+    partial = counters = db_partial = count
+    steal = dx is not None and plan.gemm["DX_STEAL"]
+    if steal or plan.split > 1:  # dX's tile counter, then each dW tile's count of arrived slices
+        counters = torch.zeros(1 + plan.dw_tiles * (plan.split > 1), dtype=torch.int32, device=device)
+    if plan.split > 1:  # the slices' float32 partial sums
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
-        arrivals = torch.zeros(plan.dw_tiles, dtype=torch.int32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)
     _launcher(_grads_kernel, traceable)[plan.grid](
         dy, dy if weight is None else weight, dy if x is None else x, perm, count,
-        dy if dx is None else dx, dy if dw is None else dw, partial, arrivals,
-        count if db is None else db, db_partial, dx_next, M, N, K, plan.dw_programs, plan.dx_programs,
+        dy if dx is None else dx, dy if dw is None else dw, partial, counters,
+        count if db is None else db, db_partial, M, N, K, plan.dw_programs, plan.dx_programs,
         dy.stride(0), dy.stride(1), *((0, 0) if weight is None else weight.stride()),
         *((0, 0) if x is None else x.stride()), *((0, 0) if dx is None else dx.stride()),
         **plan.gemm,

@@ -71,9 +71,9 @@ class BlockConfig:
   chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
   peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
   instead. ``fused``: dX's and dW's programs in one launch (``sebp_grads``), as the torch
-  reference's planned launch does, instead of one each; it reads the kept rows in place, so it
-  needs ``compact=False`` and ``dx_split == 1``. Its ``num_warps`` and ``num_stages`` are the
-  larger of the two GEMMs'.
+  reference's planned launch does, instead of one each, on the compacted rows (or in place with
+  ``compact=False``); it splits no dX tile, so it needs ``dx_split == 1``. Its ``num_warps`` and
+  ``num_stages`` are the larger of the two GEMMs'.
 
   ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
   ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
@@ -631,7 +631,8 @@ def _grads_kernel(count_ref, perm_ref, dy_ref, kernel_ref, x_ref, *refs, dx_prog
                   dw_programs: int, dx_body, dw_body, dw_nk: bool):
   """Both GEMMs in one launch: programs ``0 .. dx_programs - 1`` run ``dx_body`` (a
   :func:`_dx_kernel`), the ``dw_programs * split`` after them ``dw_body`` (a :func:`_dw_kernel`,
-  part-major), each reading the kept rows of ``dy`` and ``x`` in place. ``refs``: ``dx_body``'s
+  part-major), each reading the kept rows of ``dy`` and ``x`` as its body does (compacted or in
+  place). ``refs``: ``dx_body``'s
   output refs (an accumulator first where it accumulates, then ``dx``), then ``dw``. ``dw_nk``: dW
   in the ``(N, K)`` layout, its GEMM's operands swapped."""
   *dx_refs, dw_ref = refs
@@ -780,9 +781,9 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
                  precision=None, interpret: bool = False, kernel_nk: bool = False,
                  accumulator: jax.Array | None = None, zero_rows: bool = True):
   """``(dx, dw)`` in one launch (``sebp_grads``): :func:`dx_pallas`'s programs, then
-  :func:`dw_pallas`'s, on ``x`` and ``dy`` read in place (``config.fused``). ``dw_config``: the
-  dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as :func:`_products`
-  hands them); the other arguments as :func:`dx_pallas`'s."""
+  :func:`dw_pallas`'s, reading ``xc`` and ``dyc`` as those do (``config.fused``). ``dw_config``:
+  the dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as
+  :func:`_products` hands them); the other arguments as :func:`dx_pallas`'s."""
   if config.dx_split > 1:  # its partial tiles would need dx_pallas's reduction launch
     raise ValueError(f"grads_pallas: needs dx_split=1, got dx_split={config.dx_split}.")
   dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
@@ -857,10 +858,9 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
 
 
 def _check_fused(config: BlockConfig) -> None:
-  if config.fused and (config.compact or config.dx_split > 1):
-    raise ValueError("`fused` (dX and dW in one launch) reads the kept rows in place and splits "
-                     f"no dX tile: it needs compact=False and dx_split=1, got "
-                     f"compact={config.compact}, dx_split={config.dx_split}.")
+  if config.fused and config.dx_split > 1:
+    raise ValueError("`fused` (dX and dW in one launch) splits no dX tile: it needs dx_split=1, "
+                     f"got dx_split={config.dx_split}.")
 
 
 def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precision=None,
