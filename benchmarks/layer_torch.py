@@ -17,7 +17,8 @@ one, written as JSON rows that stand beside the JAX results in one table.
   per 8 kept row blocks at least (the default is 16), ``sebp_triton_plan_dw_first`` and
   ``sebp_triton_plan_dx_first``: dW's or dX's programs first in the grid on every layer (the
   default puts dX's first where dW's fill two waves of the GPU or more),
-  ``sebp_triton_plan_dx_steal``: dX's programs taking their tiles from a counter,
+  ``sebp_triton_plan_dx_shares``: dX's programs behind dW's each looping over a fixed share of
+  the tiles instead of taking their next from a counter,
   ``sebp_triton_plan_dx_k64``: dX's tile 64 columns wide (the default's is 128). A/Bs of the
   launch's plan; their eager times also rebuild it per call, so compare graph times.
 * ``ideal``: autograd of ``F.linear`` on rows compacted beforehand (cuBLAS on the active rows only,
@@ -93,7 +94,7 @@ _LAUNCH_VARIANTS = {
     "sebp_triton_plan_min_slice_8": dict(_MIN_SLICE_BLOCKS=8),
     "sebp_triton_plan_dw_first": dict(_DX_FIRST_WAVES=math.inf),
     "sebp_triton_plan_dx_first": dict(_DX_FIRST_WAVES=0),
-    "sebp_triton_plan_dx_steal": dict(_DX_STEAL=True),
+    "sebp_triton_plan_dx_shares": dict(_DX_STEAL=False),
     # dX's tile 64 columns wide instead of 128: twice the live tiles where few rows are kept.
     "sebp_triton_plan_dx_k64": dict(_TILES={**kernels._TILES, ("dx", 2): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)}),
 }

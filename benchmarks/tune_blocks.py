@@ -107,6 +107,10 @@ CANDIDATES = {
   # `in_place` and the default at 2 % real rows, and up to 1.7x slower than the default at 13-50 %,
   # where the GEMMs' loads through the permutation cost more than the gather saves.
   "fused_compact": _Config(fused=True),
+  # ... on the `wide_short` class's tiles (LLaMA-3B at batch 1: four 128-column steps), and with
+  # three steps in flight (one launch holds both GEMMs' pipelines).
+  "fused_n128_s4": _Config(dx_n=128, dx_stages=4, fused=True),
+  "fused_n128_s3": _Config(dx_n=128, dx_stages=3, fused=True),
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
 # Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.

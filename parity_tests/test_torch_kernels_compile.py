@@ -58,8 +58,8 @@ def _grads_cases():
       _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False), (False, True)):
     if (split > 1 and not do_dw) or (dx_slots and not do_dx) or (not dx_first and not (do_dx and do_dw)):
       continue  # the same program as split 1 / without slots / in the other order
-    if steal and (split > 1 or dx_first):
-      continue  # stealing dX's tiles is for dX behind dW, and dW's split does not touch it
+    if steal and (dx_first or not (do_dx and do_dw)):
+      continue  # dX's tiles are taken from a counter only behind dW's programs
     yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, steal,
                        id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}"
                           f"-split{split}-dxfirst{dx_first:d}-steal{steal:d}")

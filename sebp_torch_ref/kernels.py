@@ -519,12 +519,13 @@ _DX_FIRST_WAVES = 2
 # dx_programs-th tile each. v30's layer A/B (benchmarks/NOTES_torch.md, "v30 measured", call 5):
 # behind dW's programs, one dX program per tile beat the persistent programs' fixed shares by
 # 13-18 % on BERT's FFN at 20-100 % real rows (a share that starts late ends late) and lost 6 µs at
-# 2 % (thousands of programs without a tile). A counter keeps both. v31 (NOTES_torch "v31
-# measured"), every tile from the counter: 13-17 % off BERT's FFN at 50-100 %, but 2-3 µs more at
-# 2-5 % and 10 % more on LLaMA-3B's LM head at 2 %. Each program now runs its own first tile and
-# takes only the rest from the counter (unmeasured: an A/B, `layer_torch`'s
-# `sebp_triton_plan_dx_steal`), off by default.
-_DX_STEAL = False
+# 2 % (thousands of programs without a tile). A counter keeps both. v31 on one H200
+# (benchmarks/NOTES_torch.md, "v31 measured"): with each program's first tile its own and the rest
+# from the counter, BERT's FFN at 50-100 % real rows took 8-18 % less (FFN down 100 %: 489 -> 402
+# µs) and its layers at 2-10 % within 0.6 µs. Where dX's programs go first they start together
+# and nothing is late to balance: LLaMA-3B's dX-first layers gained nothing (0 to +3 %), so the
+# counter is used only behind dW's programs.
+_DX_STEAL = True
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
 # launch does (`benchmarks/launch_resources_torch.py`).
@@ -661,11 +662,13 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
     dw_tiles = triton.cdiv(K, dw_tile["BLOCK_K"]) * triton.cdiv(N, dw_tile["BLOCK_N"])
     split = _dw_split(dw_tiles, triton.cdiv(M, dw_tile["BLOCK_M"]), device) if do_dw else 1
     dw_programs = dw_tiles * split if do_dw else 0
+    dx_first = _dx_first(dw_programs, device)
     gemm = dict(
         DX_BLOCK_M=dx_tile["BLOCK_M"], DX_BLOCK_N=dx_tile["BLOCK_N"], DX_BLOCK_K=dx_tile["BLOCK_K"],
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
-        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=_dx_first(dw_programs, device), DX_STEAL=_DX_STEAL,
+        GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=dx_first,
+        DX_STEAL=_DX_STEAL and do_dx and do_dw and not dx_first,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
