@@ -40,6 +40,15 @@ LAYERS = [
 ]
 
 
+def grads_pointer_types(dtype: torch.dtype) -> dict[str, str]:
+    """Triton's type of each pointer argument of the GEMM launch (``kernels._grads_kernel``), by
+    name, for operands of ``dtype``."""
+    operand = _POINTER[dtype]
+    return dict(dy_ptr=operand, w_ptr=operand, x_ptr=operand, dx_ptr=operand, dw_ptr=operand, db_ptr=operand,
+                perm_ptr="*i32", count_ptr="*i32", counters_ptr="*i32", partial_ptr="*fp32",
+                db_partial_ptr="*fp32")
+
+
 def launch_resources(M: int, N: int, K: int, dtype: torch.dtype, *, with_db: bool, gather: bool = True,
                      dx_slots: bool = True, split: int | None = None) -> tuple[Resources, kernels._GemmPlan]:
     """The GEMM launch (dX and dW) of one layer as its plan builds it for a GPU of ``SMS`` SMs
@@ -55,9 +64,7 @@ def launch_resources(M: int, N: int, K: int, dtype: torch.dtype, *, with_db: boo
                 stride_dym=N, stride_dyn=1, stride_wn=K, stride_wk=1, stride_xm=K, stride_xk=1,
                 stride_dxm=K, stride_dxk=1)
     constants.update({name: 1 for name, value in ints.items() if value == 1})
-    pointers = {n: _POINTER[dtype] if n in ("dy_ptr", "w_ptr", "x_ptr", "dx_ptr", "dw_ptr", "db_ptr")
-                else "*i32" if n in ("perm_ptr", "count_ptr", "counters_ptr") else "*fp32"
-                for n in kernel.arg_names if n.endswith("_ptr")}
+    pointers = grads_pointer_types(dtype)
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in kernel.arg_names}
     hinted = [n for n in kernel.arg_names if n in pointers or (n not in constants and ints.get(n, 1) % 16 == 0)]
     source = ASTSource(fn=kernel, signature=signature,

@@ -103,7 +103,7 @@ CANDIDATES = {
   # ... with dX's and dW's programs in one launch, as the torch reference's planned launch runs
   # them (benchmarks/NOTES.md, "What the torch launch has that the JAX kernels do not").
   "fused": _Config(compact=False, fused=True),
-  # ... and on the compacted rows: v31 (benchmarks/NOTES.md) measured `fused` 14-24 % faster than
+  # ... and on the compacted rows: v22 (benchmarks/NOTES.md, "v22 measured") had `fused` 14-24 % faster than
   # `in_place` and the default at 2 % real rows, and up to 1.7x slower than the default at 13-50 %,
   # where the GEMMs' loads through the permutation cost more than the gather saves.
   "fused_compact": _Config(fused=True),

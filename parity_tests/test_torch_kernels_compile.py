@@ -25,6 +25,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from benchmarks.launch_resources_torch import grads_pointer_types  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
 _POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -58,8 +60,8 @@ def _grads_cases():
       _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False), (False, True)):
     if (split > 1 and not do_dw) or (dx_slots and not do_dx) or (not dx_first and not (do_dx and do_dw)):
       continue  # the same program as split 1 / without slots / in the other order
-    if steal and (dx_first or not (do_dx and do_dw)):
-      continue  # dX's tiles are taken from a counter only behind dW's programs
+    if steal and (dx_first or split == 1 or not (do_dx and do_dw)):
+      continue  # dX's tiles are taken from a counter only behind dW's split programs
     yield pytest.param(dtype, do_dx, do_dw, with_db, gather, dx_slots, split, dx_first, steal,
                        id=f"{dtype}-dx{do_dx:d}-dw{do_dw:d}-db{with_db:d}-gather{gather:d}-slots{dx_slots:d}"
                           f"-split{split}-dxfirst{dx_first:d}-steal{steal:d}")
@@ -80,14 +82,7 @@ def test_grads_kernel_compiles(monkeypatch, dtype, do_dx, do_dw, with_db, gather
                                   torch.device("cuda"), kernels.default_config(dtype))
   assert plan.split == (split if do_dw else 1) and plan.gemm["DX_FIRST"] == dx_first
   assert plan.gemm["DX_STEAL"] == steal
-  _compile(kernels._grads_kernel, plan.gemm, _grads_pointers(dtype))
-
-
-def _grads_pointers(dtype) -> dict[str, str]:
-  pointer = _POINTER[dtype]
-  return dict(dy_ptr=pointer, w_ptr=pointer, x_ptr=pointer, dx_ptr=pointer, dw_ptr=pointer, db_ptr=pointer,
-              perm_ptr="*i32", count_ptr="*i32", counters_ptr="*i32", partial_ptr="*fp32",
-              db_partial_ptr="*fp32")
+  _compile(kernels._grads_kernel, plan.gemm, grads_pointer_types(dtype))
 
 
 def _layer_torch_variants():
@@ -108,7 +103,7 @@ def test_layer_torch_launch_variants_compile(monkeypatch, options):
   with launch_options(tuple(options.items())):
     plan = kernels._default_gemm_plan(300, 3072, 768, torch.bfloat16, True, True, True, True, True,
                                       torch.device("cuda"))
-  _compile(kernels._grads_kernel, plan.gemm, _grads_pointers(torch.bfloat16))
+  _compile(kernels._grads_kernel, plan.gemm, grads_pointer_types(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", list(_POINTER), ids=str)

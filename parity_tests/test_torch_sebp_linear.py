@@ -727,6 +727,8 @@ def test_triton_dx_programs_each_loop_over_several_tiles(monkeypatch, kept, dx_s
 
     monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0 if dx_first else math.inf)
     monkeypatch.setattr(kernels, "_DX_STEAL", steal)
+    if steal:  # the counter is the first word of a split dW's arrivals
+        monkeypatch.setattr(kernels, "_dw_split", lambda *_: 2)
 
     dtype = torch.float32
     # More dX tiles than the launch's programs (interpreter: 32 x 32 tiles, 16 programs; GPU:

@@ -524,7 +524,9 @@ _DX_FIRST_WAVES = 2
 # from the counter, BERT's FFN at 50-100 % real rows took 8-18 % less (FFN down 100 %: 489 -> 402
 # µs) and its layers at 2-10 % within 0.6 µs. Where dX's programs go first they start together
 # and nothing is late to balance: LLaMA-3B's dX-first layers gained nothing (0 to +3 %), so the
-# counter is used only behind dW's programs.
+# counter is used only behind dW's programs, and only where dW is split: the counter is then one
+# more word of the arrivals' memset, while an unsplit launch needs a memset of its own (LLaMA-3B's
+# k/v, unsplit: +1.2 to +1.8 µs at 2-10 %, where BERT's split launches paid at most 0.6).
 _DX_STEAL = True
 # Programs of the GEMM launch resident per SM, which dW's split and the persistent dX launch are
 # sized for. Two fit where a program holds at most 128 registers at 8 warps, as every bfloat16
@@ -668,7 +670,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
         GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=dx_first,
-        DX_STEAL=_DX_STEAL and do_dx and do_dw and not dx_first,
+        DX_STEAL=_DX_STEAL and do_dx and do_dw and not dx_first and split > 1,
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)
