@@ -855,10 +855,9 @@ def sebp_gemms(
              dx_slots, device)
     plan = _default_gemm_plan(*shape) if config is None else _build_gemm_plan(*shape, config)
     partial = counters = db_partial = count
-    steal = dx is not None and plan.gemm["DX_STEAL"]
-    if steal or plan.split > 1:  # dX's tile counter, then each dW tile's count of arrived slices
-        counters = torch.zeros(1 + plan.dw_tiles * (plan.split > 1), dtype=torch.int32, device=device)
-    if plan.split > 1:  # the slices' float32 partial sums
+    if plan.split > 1:  # dX's tile counter (DX_STEAL needs a split), each dW tile's count of
+        # arrived slices after it, and the slices' float32 partial sums
+        counters = torch.zeros(1 + plan.dw_tiles, dtype=torch.int32, device=device)
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)

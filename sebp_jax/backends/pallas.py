@@ -632,9 +632,8 @@ def _grads_kernel(count_ref, perm_ref, dy_ref, kernel_ref, x_ref, *refs, dx_prog
   """Both GEMMs in one launch: programs ``0 .. dx_programs - 1`` run ``dx_body`` (a
   :func:`_dx_kernel`), the ``dw_programs * split`` after them ``dw_body`` (a :func:`_dw_kernel`,
   part-major), each reading the kept rows of ``dy`` and ``x`` as its body does (compacted or in
-  place). ``refs``: ``dx_body``'s
-  output refs (an accumulator first where it accumulates, then ``dx``), then ``dw``. ``dw_nk``: dW
-  in the ``(N, K)`` layout, its GEMM's operands swapped."""
+  place). ``refs``: ``dx_body``'s output refs (an accumulator first where it accumulates, then
+  ``dx``), then ``dw``. ``dw_nk``: dW in the ``(N, K)`` layout, its GEMM's operands swapped."""
   *dx_refs, dw_ref = refs
   program = pl.program_id(0)
 
