@@ -670,7 +670,7 @@ def _build_gemm_plan(M, N, K, dtype, do_dx, do_dw, with_db, gather, dx_slots, de
         DW_BLOCK_M=dw_tile["BLOCK_M"], DW_BLOCK_N=dw_tile["BLOCK_N"], DW_BLOCK_K=dw_tile["BLOCK_K"],
         SPLIT=split, MIN_SLICE=_min_slice_blocks(), DO_DX=do_dx, DO_DW=do_dw, WITH_DB=with_db,
         GATHER=gather, DX_SLOTS=dx_slots, DX_FIRST=dx_first,
-        DX_STEAL=_DX_STEAL and do_dx and do_dw and not dx_first and split > 1,
+        DX_STEAL=_DX_STEAL and do_dx and split > 1 and not dx_first,  # a split implies dW
         **_dot_options(dtype), **config["launch"],
     )
     return _GemmPlan((dw_programs + dx_programs,), dw_programs, dx_programs, dw_tiles, split, gemm)

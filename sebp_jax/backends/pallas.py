@@ -715,10 +715,9 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
-  num_rows = dyc.shape[0]
-  in_features = kernel.shape[1 if kernel_nk else 0]
   programs, split, split_rows, body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
                                                          accumulator, zero_rows)
+  in_features = dx_shape.shape[1]
   launch = functools.partial(_launch, interpret=interpret)
   operands = (count, perm, dyc, kernel) + (() if accumulator is None else (accumulator,))
   gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
