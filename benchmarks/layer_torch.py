@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from benchmarks.torch_launch import launch_options
+from benchmarks.kernel_options import launch_options
 from sebp_torch_ref import sebp_linear
 from sebp_torch_ref import kernels
 from sebp_torch_ref.policy import RowPolicy
@@ -86,7 +86,7 @@ SHAPES = [
     Shape("llama32_3b_lm_head_b1", 1, 4096, 3072, 128256),
 ]
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
-# The planned launch as the kernels module plans it, and its A/Bs (benchmarks.torch_launch): private
+# The planned launch as the kernels module plans it, and its A/Bs (benchmarks.kernel_options): private
 # attributes of the launch plan replaced.
 _LAUNCH_VARIANTS = {
     "sebp_triton_plan": {},

@@ -110,7 +110,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from benchmarks.torch_launch import launch_options
+from benchmarks.kernel_options import launch_options
 from sebp_jax import xla_flags
 
 __all__ = [
@@ -261,9 +261,10 @@ class Variant:
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
-  same variant without them in the same run. ``launch``: torch, attributes of
-  :mod:`sebp_torch_ref.kernels`' launch plan replaced while the variant runs (a kernel A/B in
-  one process, beside the variant without them)."""
+  same variant without them in the same run. ``launch``: attributes of the framework's kernel
+  module (:mod:`sebp_torch_ref.kernels`' launch plan, :mod:`sebp_jax.backends.pallas`' tile
+  table) replaced while the variant runs (:mod:`benchmarks.kernel_options`: a kernel A/B in one
+  process, beside the variant without them)."""
 
   name: str
   framework: str
@@ -276,7 +277,7 @@ class Variant:
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
   compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: ops in the graph)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
-  launch: tuple[tuple[str, Any], ...] = ()  # torch: (kernels attribute, value) pairs
+  launch: tuple[tuple[str, Any], ...] = ()  # (kernel module attribute, value) pairs
 
   @property
   def baseline(self) -> str:
@@ -334,6 +335,10 @@ VARIANTS: tuple[Variant, ...] = (
   # graphs (XLA runs a conditional's body outside them).
   Variant("jax-sebp-pallas-plan-nocond", "jax", "pallas", per_batch=True, rows=True,
           crossover=1.0),
+  # ... with the 768 x 768 projections on the narrow class's tiles, as up to v22 (a same-process
+  # A/B of the "small" class's 64-wide dW tiles).
+  Variant("jax-sebp-pallas-plan-nocond-no-small", "jax", "pallas", per_batch=True, rows=True,
+          crossover=1.0, launch=(("_SMALL_WEIGHT", 0),)),
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
   Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
   Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),
@@ -647,12 +652,17 @@ def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callab
 
 
 def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
-  """Runs ``variant`` on every workload and batch size.
+  """Runs ``variant`` on every workload and batch size, under its ``launch`` options.
 
   Yields the environment (:func:`benchmarks.timing.environment`), then each row as soon as it is
   measured; its ``peak_mem_bytes`` is filled in place once its batch size is done, so a consumer
   serializes rows when the generator is exhausted (and on the way, to keep what a crash loses).
   """
+  with launch_options(variant.launch, framework="jax"):
+    yield from _run_jax(spec, variant, settings)
+
+
+def _run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
   import jax
   import optax
 

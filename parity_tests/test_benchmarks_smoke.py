@@ -250,7 +250,7 @@ def test_launch_options_hold_while_the_variant_runs_and_no_plan_outlives_them(mo
   pytest.importorskip("triton")
   import torch
 
-  from benchmarks import torch_launch
+  from benchmarks import kernel_options
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_sms", lambda device: 8)  # no GPU to ask
@@ -258,11 +258,35 @@ def test_launch_options_hold_while_the_variant_runs_and_no_plan_outlives_them(mo
   monkeypatch.setattr(kernels, "_DX_FIRST_WAVES", 0)  # dX first on every shape
   kernels._default_gemm_plan.cache_clear()
   assert kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
-  with torch_launch.launch_options((("_DX_FIRST_WAVES", math.inf),)):
+  with kernel_options.launch_options((("_DX_FIRST_WAVES", math.inf),)):
     assert kernels._DX_FIRST_WAVES == math.inf and not kernels._default_gemm_plan(*shape).gemm["DX_FIRST"]
   assert kernels._DX_FIRST_WAVES == 0 and kernels._default_gemm_plan.cache_info().currsize == 0
   with pytest.raises(ValueError, match="launch option '_DX_LAST'"):
-    with torch_launch.launch_options((("_DX_LAST", True),)):
+    with kernel_options.launch_options((("_DX_LAST", True),)):
+      pass
+
+
+def test_jax_launch_options_choose_the_tiles_a_variant_traces_with(monkeypatch):
+  """A JAX variant's ``launch`` options replace the Pallas backend's attributes while it runs:
+  the small-weight table entry (BERT-base's 768 x 768 projections) is off under
+  ``_SMALL_WEIGHT=0``, the A/B variant's option, and back afterwards."""
+  import jax.numpy as jnp
+
+  from benchmarks import kernel_options
+  from benchmarks.workloads import VARIANTS
+  from sebp_jax.backends import pallas
+
+  monkeypatch.setattr(pallas, "_gpu_generation", lambda: "hopper")
+  (ab,) = [v for v in VARIANTS if v.framework == "jax" and v.launch]
+  assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 64
+  with kernel_options.launch_options(ab.launch, framework="jax"):
+    assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 128
+  assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 64
+  with pytest.raises(ValueError, match="launch option '_NO_SUCH'.*sebp_jax.backends.pallas"):
+    with kernel_options.launch_options((("_NO_SUCH", 0),), framework="jax"):
+      pass
+  with pytest.raises(ValueError, match="`framework` must be one of"):
+    with kernel_options.launch_options((("_SMALL_WEIGHT", 0),), framework="tf"):
       pass
 
 

@@ -293,6 +293,20 @@ def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out
   assert (config.dx_n, config.dx_k) == (dx_n, dx_k)
 
 
+@pytest.mark.parametrize("in_features,out_features,dw_k,dw_split", [
+  (768, 768, 64, 1),  # BERT-base q/k/v/o ("small"): 72 dW tiles, unsplit
+  (384, 1536, 64, 1),  # MiniLM's FFN, as small a weight
+  (768, 3072, 128, 1),  # BERT-base FFN ("narrow"): 144 tiles of 128 x 128
+  (768, 1408, 128, 2),  # just past the small class: 66 tiles of 128 x 128, split 2
+])
+def test_small_weights_take_64_wide_dw_tiles_unsplit_on_hopper(monkeypatch, in_features,
+                                                               out_features, dw_k, dw_split):
+  monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
+  monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  config = pallas_backend.block_config(16384, in_features, out_features, jnp.bfloat16)
+  assert (config.dw_k, config.dw_split) == (dw_k, dw_split)
+
+
 @pytest.mark.parametrize("out_features,launch", [(8192, (132, 1, 0)), (128256, (264, 8, 320))])
 def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_features, launch):
   # LLaMA-3B at batch 1 (24 column blocks of 128 at K = 3072): the LM head's dX shares its

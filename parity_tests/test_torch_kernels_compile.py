@@ -96,7 +96,7 @@ def test_layer_torch_launch_variants_compile(monkeypatch, options):
   """Each launch A/B that ``benchmarks.layer_torch`` times on the GPU names attributes the kernels
   module has and lowers for sm_90, on BERT-base's FFN up under a row plan (bias, dX in the plan's
   order): a typo or a tile that does not compile fails here, not in a device call."""
-  from benchmarks.torch_launch import launch_options
+  from benchmarks.kernel_options import launch_options
   from sebp_torch_ref import kernels
 
   monkeypatch.setattr(kernels, "_sms", lambda device: 132)

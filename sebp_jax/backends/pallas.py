@@ -120,6 +120,14 @@ class BlockConfig:
 # 768 x 3072 layers are faster on the default tiles below ~20 % kept rows.
 _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
+  # "small": a weight of at most _SMALL_WEIGHT entries (BERT-base's 768 x 768 projections).
+  # Its 36 dW tiles of 128 x 128 are split 3 ways to fill 132 SMs (with_dw_split), and at a few
+  # kept rows the float32 partials and their sum cost more than the split saves; 64-wide tiles
+  # give 72 tiles and no split: the whole backward 0.059 -> 0.039 ms at 1.9 % real, 0.058 ->
+  # 0.053 at 4.7 %, 0.065 -> 0.057 at 12.1 %, but 0.093 -> 0.117 at 46.5 %, where the 0.4
+  # crossover runs the dense backward (results/v29_h200/, benchmarks/NOTES.md "Launch resources
+  # measured").
+  ("hopper", 2, "small"): BlockConfig(dw_k=64),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
   # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
@@ -139,8 +147,9 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "vocab"): BlockConfig(dx_split=8),
   # float32: one entry for every class (not re-tuned for v5).
   **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
-     for shape_class in ("narrow", "wide", "wide_short", "vocab")},
+     for shape_class in ("small", "narrow", "wide", "wide_short", "vocab")},
 }
+_SMALL_WEIGHT = 1024 * 1024
 _WIDE_WEIGHT = 3072 * 3072
 _WIDE_ROWS = 16384
 # Layers with at least this many output columns (a vocabulary: LLaMA-3's 128,256, BERT's 30,522)
@@ -202,6 +211,8 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
     shape_class = "vocab"
   elif in_features * out_features >= _WIDE_WEIGHT:
     shape_class = "wide" if num_rows >= _WIDE_ROWS else "wide_short"
+  elif in_features * out_features <= _SMALL_WEIGHT:
+    shape_class = "small"
   else:
     shape_class = "narrow"
   base = _BLOCK_TABLE.get((_gpu_generation(), jnp.dtype(dtype).itemsize, shape_class),
