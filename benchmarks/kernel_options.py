@@ -33,7 +33,8 @@ def launch_options(options: Sequence[tuple[str, Any]], framework: str = "torch")
     yield
     return
   if framework not in _KERNELS:
-    raise ValueError(f"launch options: `framework` must be one of {sorted(_KERNELS)}, got {framework!r}.")
+    raise ValueError(f"launch options: `framework` must be one of {sorted(_KERNELS)}, "
+                     f"got {framework!r}.")
   module_name, caches = _KERNELS[framework]
   kernels = importlib.import_module(module_name)
   for name, _ in options:

@@ -126,7 +126,8 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # give 72 tiles and no split: the whole backward 0.059 -> 0.039 ms at 1.9 % real, 0.058 ->
   # 0.053 at 4.7 %, 0.065 -> 0.057 at 12.1 %, but 0.093 -> 0.117 at 46.5 %, where the 0.4
   # crossover runs the dense backward (results/v29_h200/, benchmarks/NOTES.md "Launch resources
-  # measured").
+  # measured"). BERT-base b32's step: -0.17 ms of GPU time at 2.5 % real tokens, equal at 12.9 %
+  # (results/v32_h200/call4/, NOTES "v23").
   ("hopper", 2, "small"): BlockConfig(dw_k=64),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
