@@ -19,7 +19,10 @@ kernels back to back, without the host's gaps. Where host µs exceed GPU µs, an
 Python, not on the GPU. ``--profile`` writes a cProfile top-20 (by own time) of the Triton path's
 host work: the layers' :func:`sebp_torch_ref.kernels.sebp_grads` calls replayed on the main
 thread (the autograd engine runs CUDA backward functions on its own thread, which cProfile does
-not see).
+not see). For ``triton+plan`` the table's last line splits the backward's host time per layer,
+without a profiler: the layers' planned gradient calls (``linear_grads``) replayed on the main
+thread, and within them the one GEMM launch (Triton's ``JITFunction.run`` and the driver's call);
+the rest of the backward's host time is autograd's and the ``Function``'s.
 
 GPU (BERT-base, 3 % real tokens)::
 
@@ -162,6 +165,75 @@ def profile_triton_host(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tenso
     return out.getvalue()
 
 
+class _TimedLaunches:
+    """Stands in for :func:`sebp_torch_ref.kernels._launcher`: the same launches, each one's host
+    time appended to ``seconds``."""
+
+    def __init__(self, launcher, seconds: list[float]) -> None:
+        self.launcher, self.seconds = launcher, seconds
+
+    def __call__(self, kernel, traceable: bool) -> "_TimedGrid":
+        return _TimedGrid(self.launcher(kernel, traceable), self.seconds)
+
+
+class _TimedGrid:
+    """``kernel[grid](...)`` as ``launch`` runs it, timed."""
+
+    def __init__(self, launch, seconds: list[float]) -> None:
+        self.launch, self.seconds = launch, seconds
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            self.launch[grid](*args, **kwargs)
+            self.seconds.append(time.perf_counter() - start)
+        return run
+
+
+def planned_host_split(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, calls: int) -> dict:
+    """Host µs per layer of the planned Triton backward outside autograd (each layer's
+    :func:`~sebp_torch_ref.grads.linear_grads` under a plan of ``mask``, on the main thread) and,
+    within it, of its GEMM launch; medians over ``calls`` replays of every layer."""
+    from unittest import mock
+
+    from sebp_torch_ref import kernels
+    from sebp_torch_ref.grads import linear_grads
+    from sebp_torch_ref.plan import RowPlan
+
+    plan = RowPlan(mask, check=False)
+    operands = []
+    h = x
+    with torch.no_grad():
+        for layer in stack:
+            y = layer(h)
+            dy = torch.randn_like(y) * mask[..., None].to(y.dtype)
+            operands.append((dy.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), layer.weight,
+                             layer.bias.dtype))
+            h = y
+
+    def replay():
+        for dy, xx, w, bias_dtype in operands:
+            linear_grads(dy, xx, w, bias_dtype, RowPolicy(), "triton", plan, None)
+
+    replay()  # compiles, warms the allocator and makes the plan's rows
+    cuda = x.device.type == "cuda"
+    grads_us, launch_us = [], []
+    for _ in range(calls):
+        launches: list[float] = []
+        if cuda:
+            torch.cuda.synchronize()
+        with mock.patch.object(kernels, "_launcher", _TimedLaunches(kernels._launcher, launches)):
+            start = time.perf_counter()
+            replay()
+            total = time.perf_counter() - start
+        grads_us.append(total / len(operands) * 1e6)
+        launch_us.append(sum(launches) / len(operands) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return {"grads_host_us": statistics.median(grads_us), "launch_host_us": statistics.median(launch_us),
+            "launches_per_layer": len(launches) / len(operands)}
+
+
 def markdown_table(result: dict) -> str:
     lines = [
         f"Host vs GPU time per layer, {result['device']}, {result['dtype']}, {result['layers']} layers, "
@@ -176,6 +248,14 @@ def markdown_table(result: dict) -> str:
         ratio = f"{r['bwd_host_us'] / gpu:.2f}" if gpu else "n/a"
         gpu_text = f"{gpu:.1f}" if gpu is not None else "n/a"
         lines.append(f"| {r['path']} | {r['fwd_host_us']:.1f} | {r['bwd_host_us']:.1f} | {gpu_text} | {ratio} |")
+    split = result.get("plan_split")
+    if split is not None:
+        planned = next(r for r in result["rows"] if r["path"] == "triton+plan")
+        lines += ["", f"triton+plan backward, host µs per layer: {planned['bwd_host_us']:.1f}, of which "
+                      f"autograd and the Function {planned['bwd_host_us'] - split['grads_host_us']:.1f}, "
+                      f"linear_grads {split['grads_host_us']:.1f} (the GEMM launch "
+                      f"{split['launch_host_us']:.1f}, {split['launches_per_layer']:g} a layer; the rest "
+                      f"{split['grads_host_us'] - split['launch_host_us']:.1f})"]
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +287,8 @@ def main(argv=None) -> None:
     for path in args.paths:
         stack = bert_stack(path, args.blocks, shapes, device, dtype)
         result["rows"].append(measure(path, stack, x, mask, args.steps))
+        if path == "triton+plan":
+            result["plan_split"] = planned_host_split(stack, x, mask, calls=1 if args.tiny else 5)
         if path == "triton" and args.profile is not None:
             args.profile.parent.mkdir(parents=True, exist_ok=True)
             args.profile.write_text(profile_triton_host(stack, x, mask, calls=1 if args.tiny else 5))

@@ -292,7 +292,8 @@ def test_jax_launch_options_choose_the_tiles_a_variant_traces_with(monkeypatch):
 
 def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   """The torch host-overhead benchmark end to end on CPU: every path at tiny sizes with Triton
-  interpreted (host times only), its table and the Triton path's cProfile."""
+  interpreted (host times only), its table, the Triton path's cProfile and the planned path's
+  host time split."""
   pytest.importorskip("triton")
   from benchmarks.host_overhead_torch import PATHS
 
@@ -308,6 +309,11 @@ def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   assert all(r["bwd_host_us"] > 0 and r["fwd_host_us"] > 0 and r["bwd_gpu_us"] is None
              for r in result["rows"])
   assert "| triton+plan |" in done.stdout and "sebp_grads" in profile.read_text()
+  # The planned backward's host time split: its one GEMM launch a layer, inside linear_grads.
+  split = result["plan_split"]
+  assert split["launches_per_layer"] == 1
+  assert 0 < split["launch_host_us"] < split["grads_host_us"]
+  assert "the GEMM launch" in done.stdout
 
 
 @pytest.mark.slow
