@@ -133,19 +133,27 @@ def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor
     }
 
 
-def profile_triton_host(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, calls: int) -> str:
-    """cProfile top-20 (own time) of the Triton path's per-layer host work: each layer's
-    ``sebp_grads`` call, on the main thread, with that layer's ``dY``, ``X`` and ``W``."""
-    from sebp_torch_ref import kernels
-
+def _layer_operands(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor) -> list[tuple]:
+    """Each layer's backward operands ``(dY, X, W, db's dtype)``, 2-D, with ``dY`` zero outside
+    ``mask``."""
     operands = []
     h = x
     with torch.no_grad():
         for layer in stack:
             y = layer(h)
             dy = torch.randn_like(y) * mask[..., None].to(y.dtype)
-            operands.append((dy.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), layer.weight, layer.bias.dtype))
+            operands.append((dy.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), layer.weight,
+                             layer.bias.dtype))
             h = y
+    return operands
+
+
+def profile_triton_host(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, calls: int) -> str:
+    """cProfile top-20 (own time) of the Triton path's per-layer host work: each layer's
+    ``sebp_grads`` call, on the main thread, with that layer's ``dY``, ``X`` and ``W``."""
+    from sebp_torch_ref import kernels
+
+    operands = _layer_operands(stack, x, mask)
     for dy, xx, w, bias_dtype in operands:  # compile and warm up
         kernels.sebp_grads(dy, xx, w, RowPolicy(), bias_dtype)
     if x.device.type == "cuda":
@@ -201,15 +209,7 @@ def planned_host_split(stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor
     from sebp_torch_ref.plan import RowPlan
 
     plan = RowPlan(mask, check=False)
-    operands = []
-    h = x
-    with torch.no_grad():
-        for layer in stack:
-            y = layer(h)
-            dy = torch.randn_like(y) * mask[..., None].to(y.dtype)
-            operands.append((dy.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), layer.weight,
-                             layer.bias.dtype))
-            h = y
+    operands = _layer_operands(stack, x, mask)
 
     def replay():
         for dy, xx, w, bias_dtype in operands:
