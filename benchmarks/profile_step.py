@@ -35,7 +35,6 @@ import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
 from benchmarks.collective_overlap import COLLECTIVE_NEEDLES
-from benchmarks.kernel_options import launch_options
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
   single_workload_parser, versions_text, xla_flags_text,
@@ -308,9 +307,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
   args.out_dir.mkdir(parents=True, exist_ok=True)
   for name in args.variants:
     hlo_path = args.out_dir / f"hlo_{stem}_{name}.txt.gz" if args.hlo else None
-    with launch_options(by_name[name].launch, framework="jax"):  # traced under them
-      result["variants"].append(profile_variant(spec, by_name[name], params, module, batches,
-                                                hlo_path=hlo_path))
+    result["variants"].append(profile_variant(spec, by_name[name], params, module, batches,
+                                              hlo_path=hlo_path))
     # After every variant: a run cut short keeps what it profiled.
     (args.out_dir / f"profile_{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"profile_{stem}.md").write_text(markdown_report(result))

@@ -642,27 +642,29 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:
   """The variant's loss ``(params, batch) -> scalar``, traced in its context (which backward each
-  linear layer gets), and the ``jax.value_and_grad`` form of it that the variant uses."""
+  linear layer gets), and the ``jax.value_and_grad`` form of it that the variant uses, traced
+  under its ``launch`` options (the Pallas backward picks its tiles when it is traced)."""
 
   def loss(params, batch):
     with _jax_context(variant):
       return spec.jax_loss(module, params, batch)
 
-  return loss, _jax_value_and_grad(variant, loss)
+  value_and_grad = _jax_value_and_grad(variant, loss)
+
+  def value_and_grad_under_launch(params, batch):
+    with launch_options(variant.launch, framework="jax"):
+      return value_and_grad(params, batch)
+
+  return loss, value_and_grad_under_launch
 
 
 def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
-  """Runs ``variant`` on every workload and batch size, under its ``launch`` options.
+  """Runs ``variant`` on every workload and batch size.
 
   Yields the environment (:func:`benchmarks.timing.environment`), then each row as soon as it is
   measured; its ``peak_mem_bytes`` is filled in place once its batch size is done, so a consumer
   serializes rows when the generator is exhausted (and on the way, to keep what a crash loses).
   """
-  with launch_options(variant.launch, framework="jax"):
-    yield from _run_jax(spec, variant, settings)
-
-
-def _run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
   import jax
   import optax
 

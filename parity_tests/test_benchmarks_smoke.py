@@ -290,6 +290,29 @@ def test_jax_launch_options_choose_the_tiles_a_variant_traces_with(monkeypatch):
       pass
 
 
+def test_jax_variants_trace_their_gradient_under_their_launch_options(monkeypatch):
+  """``jax_loss_and_grad``'s gradient, which both the model benchmark and ``profile_step`` run,
+  is traced under the variant's ``launch`` options: every layer's tiles are chosen with the A/B
+  variant's ``_SMALL_WEIGHT=0``, and the attribute is back afterwards."""
+  from sebp_jax.backends import pallas
+
+  variant = {v.name: v for v in workloads.VARIANTS}["jax-sebp-pallas-plan-nocond-no-small"]
+  seen = []
+  choose = pallas.block_config
+  monkeypatch.setattr(pallas, "block_config",
+                      lambda *args: seen.append(pallas._SMALL_WEIGHT) or choose(*args))
+  x = jnp.ones((2, 16, 8))
+  block = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
+  params = block.init(jax.random.key(0), x)
+  batch = {"x": x, "attention_mask": jnp.ones((2, 16), jnp.int32).at[:, 5:].set(0)}
+  spec = type("Spec", (), {"jax_loss": staticmethod(
+    lambda module, params, batch: jnp.sum(module.apply(params, batch["x"]) ** 2))})()
+  _, value_and_grad = workloads.jax_loss_and_grad(spec, variant, block)
+  jax.make_jaxpr(value_and_grad)(params, batch)  # traced, not run (no GPU)
+  assert seen and set(seen) == {0}
+  assert pallas._SMALL_WEIGHT == 1024 * 1024
+
+
 def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   """The torch host-overhead benchmark end to end on CPU: every path at tiny sizes with Triton
   interpreted (host times only), its table, the Triton path's cProfile and the planned path's
