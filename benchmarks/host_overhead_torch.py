@@ -284,14 +284,15 @@ def main(argv=None) -> None:
         "torch": torch.__version__, "triton": triton.__version__, "batch": args.batch, "seq": args.seq,
         "real_fraction": float(mask.float().mean()), "layers": args.blocks * len(shapes), "rows": [],
     }
+    replays = 1 if args.tiny else 5  # of every layer's gradients, for the split and the profile
     for path in args.paths:
         stack = bert_stack(path, args.blocks, shapes, device, dtype)
         result["rows"].append(measure(path, stack, x, mask, args.steps))
         if path == "triton+plan":
-            result["plan_split"] = planned_host_split(stack, x, mask, calls=1 if args.tiny else 5)
+            result["plan_split"] = planned_host_split(stack, x, mask, calls=replays)
         if path == "triton" and args.profile is not None:
             args.profile.parent.mkdir(parents=True, exist_ok=True)
-            args.profile.write_text(profile_triton_host(stack, x, mask, calls=1 if args.tiny else 5))
+            args.profile.write_text(profile_triton_host(stack, x, mask, calls=replays))
         del stack
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

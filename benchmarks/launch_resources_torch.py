@@ -27,7 +27,8 @@ from triton.compiler import ASTSource
 from benchmarks.ptx_resources import SMS, TARGET, Resources, resources, write_report
 from sebp_torch_ref import kernels
 
-_POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+# Triton's pointer type of an operand of each dtype the kernels take.
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 # (name, rows, out features N, in features K, bias): BERT-base b32 and LLaMA-3.2-3B b1 layers.
 LAYERS = [
     ("bert_base_attn", 16384, 768, 768, True),
@@ -43,7 +44,7 @@ LAYERS = [
 def grads_pointer_types(dtype: torch.dtype) -> dict[str, str]:
     """Triton's type of each pointer argument of the GEMM launch (``kernels._grads_kernel``), by
     name, for operands of ``dtype``."""
-    operand = _POINTER[dtype]
+    operand = POINTER_TYPES[dtype]
     return dict(dy_ptr=operand, w_ptr=operand, x_ptr=operand, dx_ptr=operand, dw_ptr=operand, db_ptr=operand,
                 perm_ptr="*i32", count_ptr="*i32", counters_ptr="*i32", partial_ptr="*fp32",
                 db_partial_ptr="*fp32")

@@ -25,10 +25,9 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from benchmarks.launch_resources_torch import grads_pointer_types  # noqa: E402
+from benchmarks.launch_resources_torch import POINTER_TYPES, grads_pointer_types  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
-_POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -57,7 +56,7 @@ _ROWS = [(True, False), (True, True), (False, False)]
 
 def _grads_cases():
   for dtype, (do_dx, do_dw, with_db), (gather, dx_slots), split, dx_first, steal in itertools.product(
-      _POINTER, _PRODUCTS, _ROWS, (1, 3), (True, False), (False, True)):
+      POINTER_TYPES, _PRODUCTS, _ROWS, (1, 3), (True, False), (False, True)):
     if (split > 1 and not do_dw) or (dx_slots and not do_dx) or (not dx_first and not (do_dx and do_dw)):
       continue  # the same program as split 1 / without slots / in the other order
     if steal and (dx_first or split == 1 or not (do_dx and do_dw)):
@@ -106,36 +105,36 @@ def test_layer_torch_launch_variants_compile(monkeypatch, options):
   _compile(kernels._grads_kernel, plan.gemm, grads_pointer_types(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+@pytest.mark.parametrize("dtype", list(POINTER_TYPES), ids=str)
 @pytest.mark.parametrize("keep_given, with_db", [(False, False), (False, True), (True, False)])
 def test_select_kernel_compiles(dtype, keep_given, with_db):
   from sebp_torch_ref import kernels
 
   plan = kernels._select_plan(4096)
   _compile(kernels._select_kernel, dict(plan.select, KEEP_GIVEN=keep_given, WITH_DB=with_db),
-           dict(dy_ptr=_POINTER[dtype], keep_ptr="*i8", block_counts_ptr="*i32", db_partial_ptr="*fp32"),
+           dict(dy_ptr=POINTER_TYPES[dtype], keep_ptr="*i8", block_counts_ptr="*i32", db_partial_ptr="*fp32"),
            floats=("threshold",))
 
 
-@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+@pytest.mark.parametrize("dtype", list(POINTER_TYPES), ids=str)
 @pytest.mark.parametrize("copy_dy, copy_x, with_db", [(False, False, False), (True, True, True),
                                                      (True, False, True), (True, True, False)])
 def test_compact_kernel_compiles(dtype, copy_dy, copy_x, with_db):
   from sebp_torch_ref import kernels
 
   plan = kernels._select_plan(4096)
-  pointer = _POINTER[dtype]
+  pointer = POINTER_TYPES[dtype]
   _compile(kernels._compact_kernel, dict(plan.compact, COPY_DY=copy_dy, COPY_X=copy_x, WITH_DB=with_db),
            dict(keep_ptr="*i8", block_counts_ptr="*i32", perm_ptr="*i32", count_ptr="*i32", dy_ptr=pointer,
                 x_ptr=pointer, dy_kept_ptr=pointer, x_kept_ptr=pointer, db_partial_ptr="*fp32", db_ptr=pointer))
 
 
-@pytest.mark.parametrize("dtype", list(_POINTER), ids=str)
+@pytest.mark.parametrize("dtype", list(POINTER_TYPES), ids=str)
 def test_rank_key_kernel_compiles(dtype):
   from sebp_torch_ref import kernels
 
   _compile(kernels._rank_key_kernel, dict(kernels._select_plan(4096).select),
-           dict(dy_ptr=_POINTER[dtype], key_ptr="*fp32"), floats=("threshold",))
+           dict(dy_ptr=POINTER_TYPES[dtype], key_ptr="*fp32"), floats=("threshold",))
 
 
 @pytest.mark.parametrize("with_db", [False, True], ids=["no_bias", "bias"])
