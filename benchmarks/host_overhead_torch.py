@@ -22,7 +22,10 @@ thread (the autograd engine runs CUDA backward functions on its own thread, whic
 not see). For ``triton+plan`` the table's last line splits the backward's host time per layer,
 without a profiler: the layers' planned gradient calls (``linear_grads``) replayed on the main
 thread, and within them the one GEMM launch (Triton's ``JITFunction.run`` and the driver's call);
-the rest of the backward's host time is autograd's and the ``Function``'s.
+the rest of the backward's host time is autograd's and the ``Function``'s. ``--kernel-grid``
+measures each Triton path a second time with every launch through ``kernel[grid]`` instead of
+:class:`~sebp_torch_ref.launch.CachedLaunch` (column ``launch``): the cached launch's A/B, in one
+process.
 
 GPU (BERT-base, 3 % real tokens)::
 
@@ -48,6 +51,7 @@ import time
 import torch
 from torch import nn
 
+from benchmarks.kernel_options import launch_options
 from sebp_torch_ref import RowPolicy, SEBPLinear, row_plan
 
 __all__ = ["PATHS", "bert_stack", "measure"]
@@ -240,22 +244,23 @@ def markdown_table(result: dict) -> str:
         f"batch {result['batch']} x {result['seq']}, {100 * result['real_fraction']:.1f} % real tokens, "
         f"torch {result['torch']}, triton {result['triton']}",
         "",
-        "| path | fwd host µs/layer | bwd host µs/layer | bwd GPU µs/layer | bwd host / GPU |",
-        "|---|---|---|---|---|",
+        "| path | launch | fwd host µs/layer | bwd host µs/layer | bwd GPU µs/layer | bwd host / GPU |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         gpu = r["bwd_gpu_us"]
         ratio = f"{r['bwd_host_us'] / gpu:.2f}" if gpu else "n/a"
         gpu_text = f"{gpu:.1f}" if gpu is not None else "n/a"
-        lines.append(f"| {r['path']} | {r['fwd_host_us']:.1f} | {r['bwd_host_us']:.1f} | {gpu_text} | {ratio} |")
-    split = result.get("plan_split")
-    if split is not None:
-        planned = next(r for r in result["rows"] if r["path"] == "triton+plan")
-        lines += ["", f"triton+plan backward, host µs per layer: {planned['bwd_host_us']:.1f}, of which "
-                      f"autograd and the Function {planned['bwd_host_us'] - split['grads_host_us']:.1f}, "
-                      f"linear_grads {split['grads_host_us']:.1f} (the GEMM launch "
-                      f"{split['launch_host_us']:.1f}, {split['launches_per_layer']:g} a layer; the rest "
-                      f"{split['grads_host_us'] - split['launch_host_us']:.1f})"]
+        lines.append(f"| {r['path']} | {r['launch']} | {r['fwd_host_us']:.1f} | {r['bwd_host_us']:.1f} | "
+                     f"{gpu_text} | {ratio} |")
+    for r in result["rows"]:
+        split = r.get("split")
+        if split is not None:
+            lines += ["", f"{r['path']} ({r['launch']}) backward, host µs per layer: {r['bwd_host_us']:.1f}, "
+                          f"of which autograd and the Function {r['bwd_host_us'] - split['grads_host_us']:.1f}, "
+                          f"linear_grads {split['grads_host_us']:.1f} (the GEMM launch "
+                          f"{split['launch_host_us']:.1f}, {split['launches_per_layer']:g} a layer; the rest "
+                          f"{split['grads_host_us'] - split['launch_host_us']:.1f})"]
     return "\n".join(lines) + "\n"
 
 
@@ -272,6 +277,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--tiny", action="store_true", help="CPU check: 1 tiny block, batch 2 x 16, 2 steps")
+    parser.add_argument("--kernel-grid", action="store_true",
+                        help="each Triton path also with every launch through kernel[grid]")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -286,13 +293,18 @@ def main(argv=None) -> None:
     }
     replays = 1 if args.tiny else 5  # of every layer's gradients, for the split and the profile
     for path in args.paths:
+        triton_path = path.startswith("triton")
+        launches = ["cached", "kernel[grid]"] if triton_path and args.kernel_grid else ["cached"]
         stack = bert_stack(path, args.blocks, shapes, device, dtype)
-        result["rows"].append(measure(path, stack, x, mask, args.steps))
-        if path == "triton+plan":
-            result["plan_split"] = planned_host_split(stack, x, mask, calls=replays)
-        if path == "triton" and args.profile is not None:
-            args.profile.parent.mkdir(parents=True, exist_ok=True)
-            args.profile.write_text(profile_triton_host(stack, x, mask, calls=replays))
+        for launch in launches:
+            with launch_options([("_CACHED_LAUNCH", False)] if launch == "kernel[grid]" else []):
+                row = dict(measure(path, stack, x, mask, args.steps), launch=launch if triton_path else "")
+                if path == "triton+plan":
+                    row["split"] = planned_host_split(stack, x, mask, calls=replays)
+                if path == "triton" and launch == "cached" and args.profile is not None:
+                    args.profile.parent.mkdir(parents=True, exist_ok=True)
+                    args.profile.write_text(profile_triton_host(stack, x, mask, calls=replays))
+            result["rows"].append(row)
         del stack
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

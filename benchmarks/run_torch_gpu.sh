@@ -4,8 +4,9 @@
 #   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh [SUITE]   # results under $OUT/torch
 #
 # SUITE (default eager):
-# * eager: the GPU tests of the eager paths, host vs GPU time per layer (host_overhead_torch),
-#   BERT-base b32 with torch-dense, torch-sebp-plan (row plan of the attention mask) and
+# * eager: the GPU tests of the eager paths, host vs GPU time per layer (host_overhead_torch, each
+#   Triton path with cached launches and through kernel[grid]), BERT-base b32 with torch-dense,
+#   torch-sebp-plan (row plan of the attention mask; also its launches through kernel[grid]) and
 #   torch-bound, each eager and replayed from CUDA graphs (no host launch overhead), LLaMA-3.2-3B
 #   b1 eager with the three on piqa and full_length, and a per-kernel-family profile of the eager
 #   BERT step.
@@ -66,16 +67,17 @@ stage() {
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
 if [ "$suite" = eager ]; then
-  stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_sebp_linear.py \
-    parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py parity_tests/test_torch_attention.py \
-    -m gpu -q -x -p no:cacheprovider \
+  stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_launch.py \
+    parity_tests/test_torch_sebp_linear.py parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py \
+    parity_tests/test_torch_attention.py -m gpu -q -x -p no:cacheprovider \
     --junitxml="$out/gpu_tests_torch.xml"
-  stage 45 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
-    --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
+  # Each Triton path twice: cached launches and every launch through kernel[grid] (--kernel-grid).
+  stage 70 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
+    --kernel-grid --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
   append "$out/host_overhead_torch_profile.txt"
-  stage 200 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
-    --steps 8 --time-budget 190 --variants torch-dense torch-sebp-plan torch-bound torch-dense-graphed \
-    torch-sebp-plan-graphed torch-bound-graphed
+  stage 230 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
+    --steps 8 --time-budget 220 --variants torch-dense torch-sebp-plan torch-sebp-plan-kernel-grid \
+    torch-bound torch-dense-graphed torch-sebp-plan-graphed torch-bound-graphed
   append "$out/bert_torch.md"
   stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
     --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound

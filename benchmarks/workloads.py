@@ -296,6 +296,9 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-dense", "torch", "dense"),
   Variant("torch-sebp", "torch", "triton"),  # "torch" (index ops) where there is no CUDA
   Variant("torch-sebp-plan", "torch", "triton", rows=True),
+  # ... with every eager launch through Triton's kernel[grid], as up to v32 (a same-process A/B of
+  # sebp_torch_ref.launch.CachedLaunch: eagerly, BERT-base's step waits on host time).
+  Variant("torch-sebp-plan-kernel-grid", "torch", "triton", rows=True, launch=(("_CACHED_LAUNCH", False),)),
   Variant("torch-bound", "torch", "bound"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
   # Without host launch overhead: what the GPU work of the step costs.

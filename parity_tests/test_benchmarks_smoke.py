@@ -220,7 +220,7 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
   variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
-              "torch-sebp-plan", "torch-bound"}
+              "torch-sebp-plan", "torch-sebp-plan-kernel-grid", "torch-bound"}
   # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
                 "torch-sebp-topn")
@@ -325,18 +325,25 @@ def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   out, profile = tmp_path / "host.json", tmp_path / "profile.txt"
   done = subprocess.run(
     [sys.executable, "-m", "benchmarks.host_overhead_torch", "--tiny", "--out", str(out),
-     "--profile", str(profile)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+     "--profile", str(profile), "--kernel-grid"], cwd=REPO, env=env, capture_output=True, text=True,
+    timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(out.read_text())
-  assert [r["path"] for r in result["rows"]] == list(PATHS) and result["layers"] == 3
+  launches = {"nn.Linear": [""], "dense": [""]}
+  assert [(r["path"], r["launch"]) for r in result["rows"]] == [
+    (path, launch) for path in PATHS for launch in launches.get(path, ["cached", "kernel[grid]"])]
+  assert result["layers"] == 3
   assert all(r["bwd_host_us"] > 0 and r["fwd_host_us"] > 0 and r["bwd_gpu_us"] is None
              for r in result["rows"])
-  assert "| triton+plan |" in done.stdout and "sebp_grads" in profile.read_text()
-  # The planned backward's host time split: its one GEMM launch a layer, inside linear_grads.
-  split = result["plan_split"]
-  assert split["launches_per_layer"] == 1
-  assert 0 < split["launch_host_us"] < split["grads_host_us"]
-  assert "the GEMM launch" in done.stdout
+  assert "| triton+plan | kernel[grid] |" in done.stdout and "sebp_grads" in profile.read_text()
+  # The planned backward's host time split, for each launch: one GEMM launch a layer, inside
+  # linear_grads.
+  splits = [r["split"] for r in result["rows"] if r["path"] == "triton+plan"]
+  assert len(splits) == 2
+  for split in splits:
+    assert split["launches_per_layer"] == 1
+    assert 0 < split["launch_host_us"] < split["grads_host_us"]
+  assert done.stdout.count("the GEMM launch") == 2
 
 
 @pytest.mark.slow

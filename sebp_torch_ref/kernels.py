@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import CachedLaunch
 from .policy import RowPolicy, top_rows
 
 __all__ = [
@@ -608,10 +609,25 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+# Eager launches keep each specialisation's compiled kernel (:mod:`.launch`): a planned layer's
+# backward is one launch, and eager BERT's step waits on host time. False: every launch through
+# ``kernel[grid]`` (the A/B of ``benchmarks.host_overhead_torch``).
+_CACHED_LAUNCH = True
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_launch(kernel) -> CachedLaunch:
+    return CachedLaunch(kernel)
+
+
 def _launcher(kernel, traceable: bool):
-    """``kernel`` itself, or (``traceable``) its :func:`torch.library.wrap_triton` wrapper, whose
-    launches a ``triton_op``'s trace records as graph nodes."""
-    return torch.library.wrap_triton(kernel) if traceable else kernel
+    """``kernel[grid]``'s stand-in for one launch: (``traceable``) its
+    :func:`torch.library.wrap_triton` wrapper, whose launches a ``triton_op``'s trace records as
+    graph nodes; eagerly on a GPU its :class:`~sebp_torch_ref.launch.CachedLaunch`; under the
+    interpreter ``kernel`` itself."""
+    if traceable:
+        return torch.library.wrap_triton(kernel)
+    return kernel if _INTERPRET or not _CACHED_LAUNCH else _cached_launch(kernel)
 
 
 @dataclasses.dataclass(frozen=True)

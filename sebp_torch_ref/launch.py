@@ -1,0 +1,113 @@
+"""Eager launches of a Triton kernel without :meth:`triton.JITFunction.run`'s per-call work.
+
+Why: under a row plan a layer's SEBP backward is one GEMM launch, and eagerly BERT-base's step
+waits on host time, not on the GPU (``benchmarks/NOTES_torch.md``, v22 and v33). Each
+``kernel[grid](...)`` binds and specialises every argument, builds the cache key from them and
+the launch options, checks the kernel's globals and asks for launch metadata before the driver's
+call. :class:`CachedLaunch` does that work once per specialisation and then calls the compiled
+kernel the way Inductor's generated launchers do.
+
+``CachedLaunch(kernel)[grid](*args, **kwargs)`` launches exactly as ``kernel[grid](*args, **kwargs)``
+does. The first launch of a specialisation goes through ``kernel[grid]`` (compiling if Triton
+has not) and keeps the compiled kernel it returns; later ones call that kernel directly. The
+specialisation key is a superset of what Triton specialises on, so a kept kernel is never called
+with an argument its compilation did not assume: each tensor's dtype and whether its address is
+16-byte aligned, the value of every other argument and keyword, and the current device.
+
+The direct call uses Triton's internal launcher signature (``CompiledKernel.run(grid_0, grid_1,
+grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), the
+same in the Triton releases :data:`SUPPORTED_TRITON` names. Under any other release, and while a
+launch hook is set (a profiler such as Proton reads each launch's metadata), every launch goes
+through ``kernel[grid]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import triton
+
+__all__ = ["CachedLaunch", "SUPPORTED_TRITON", "specialization_key"]
+
+# Triton releases whose launcher signature has been read (3.6, 3.9) and whose cached launches have
+# been run against ``kernel[grid]`` on a GPU (3.6: tests/test_torch_launch.py, ``gpu``).
+SUPPORTED_TRITON = ((3, 6), (3, 10))
+
+# Distinct specialisations kept per kernel; past it the cache starts again (a float argument that
+# changes every launch must not grow it without bound).
+_MAX_KEPT = 256
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def specialization_key(args: tuple, kwargs: dict) -> tuple:
+    """What a launch's compiled kernel depends on: each tensor as its dtype and whether its
+    address is 16-byte aligned (Triton's pointer specialisation), anything else by value."""
+    return (
+        tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]),
+        tuple(kwargs.items()),
+    )
+
+
+def _device_and_stream() -> tuple[int, int]:
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    return device, driver.get_current_stream(device)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set: a function, or a non-empty ``HookChain`` (Triton's default
+    is an empty chain, which ``kernel[grid]`` calls for nothing)."""
+    runtime = triton.knobs.runtime
+    return any(hook is not None and getattr(hook, "calls", True) != []
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class CachedLaunch:
+    """``kernel[grid](...)``, with the compiled kernel kept per specialisation (module docstring).
+
+    >>> launch = CachedLaunch(my_kernel)  # doctest: +SKIP
+    >>> launch[(blocks,)](x, y, n, BLOCK=128)  # doctest: +SKIP
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.enabled = SUPPORTED_TRITON[0] <= _triton_version() < SUPPORTED_TRITON[1]
+        self._kept: dict[tuple, tuple[Any, tuple]] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if not self.enabled or _launch_hooks_set():
+            self.kernel[grid](*args, **kwargs)
+            return
+        device, stream = _device_and_stream()
+        key = (device, specialization_key(args, kwargs))
+        kept = self._kept.get(key)
+        if kept is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if len(self._kept) >= _MAX_KEPT:
+                self._kept.clear()
+            self._kept[key] = (compiled, self._trailing_arguments(args, kwargs))
+            return
+        compiled, trailing = kept
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *args, *trailing)
+
+    def _trailing_arguments(self, args: tuple, kwargs: dict) -> tuple:
+        """The kernel's parameters after the positional ``args``, in signature order, as
+        ``kernel[grid]`` binds them: given by keyword, else their defaults (the launcher takes
+        every parameter, constexprs included, and skips the constexprs itself)."""
+        params = self.kernel.params[len(args):]
+        missing = [p.name for p in params if p.name not in kwargs and p.default is inspect.Parameter.empty]
+        if missing:
+            raise TypeError(f"CachedLaunch: `kwargs` lacks parameters {missing} of {self.kernel.__name__}.")
+        return tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
