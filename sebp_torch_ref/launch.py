@@ -12,7 +12,9 @@ does. The first launch of a specialisation goes through ``kernel[grid]`` (compil
 has not) and keeps the compiled kernel it returns; later ones call that kernel directly. The
 specialisation key is a superset of what Triton specialises on, so a kept kernel is never called
 with an argument its compilation did not assume: each tensor's dtype and whether its address is
-16-byte aligned, the value of every other argument and keyword, and the current device.
+16-byte aligned, the value of every other argument and keyword, and the current device. Kept
+launches pass each tensor as its address, which Triton's launcher takes without a ``data_ptr()``
+call or a driver query per pointer.
 
 The direct call uses Triton's internal launcher signature (``CompiledKernel.run(grid_0, grid_1,
 grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), the
@@ -45,13 +47,22 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def specialization_key(args: tuple, kwargs: dict) -> tuple:
-    """What a launch's compiled kernel depends on: each tensor as its dtype and whether its
-    address is 16-byte aligned (Triton's pointer specialisation), anything else by value."""
-    return (
-        tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]),
-        tuple(kwargs.items()),
-    )
+def specialization_key(args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """``(key, arguments)``: what a launch's compiled kernel depends on (each tensor as its dtype
+    and whether its address is 16-byte aligned, Triton's pointer specialisation; anything else by
+    value), and the positional arguments with each tensor as its address, which the launcher
+    takes as it is (a tensor it would ask for ``data_ptr()`` and the driver for the pointer's
+    attributes, once per launch)."""
+    key, arguments = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            address = a.data_ptr()
+            key.append((a.dtype, address % 16 == 0))
+            arguments.append(address)
+        else:
+            key.append(a)
+            arguments.append(a)
+    return (tuple(key), tuple(kwargs.items())), arguments
 
 
 def _device_and_stream() -> tuple[int, int]:
@@ -88,7 +99,8 @@ class CachedLaunch:
             self.kernel[grid](*args, **kwargs)
             return
         device, stream = _device_and_stream()
-        key = (device, specialization_key(args, kwargs))
+        specialization, arguments = specialization_key(args, kwargs)
+        key = (device, specialization)
         kept = self._kept.get(key)
         if kept is None:
             compiled = self.kernel[grid](*args, **kwargs)
@@ -100,7 +112,7 @@ class CachedLaunch:
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *trailing)
+                     None, *arguments, *trailing)
 
     def _trailing_arguments(self, args: tuple, kwargs: dict) -> tuple:
         """The kernel's parameters after the positional ``args``, in signature order, as
