@@ -230,6 +230,24 @@ def test_frozen_weight_and_input(impl, device):
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_in_features(impl, device):
+    """A layer with no input features (``nn.Linear(0, N)``): the output is the bias, dX and dW are
+    empty and db is dY's row sum, as torch's own layer gives them."""
+    _skip_unavailable(impl, device)
+    gen = _generator("zero_in", impl)
+    x = torch.zeros(2, 3, 0, device=device, requires_grad=True)
+    weight = torch.zeros(OUT_FEATURES, 0, device=device, requires_grad=True)
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(device).requires_grad_()
+    dy = make_output_grad("right_pad", (2, 3), gen).to(device)
+    y = sebp_linear(x, weight, bias, impl=impl)
+    torch.testing.assert_close(y, bias.detach().expand(2, 3, OUT_FEATURES))
+    y.backward(dy)
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+    torch.testing.assert_close(bias.grad, dy.sum((0, 1)))
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("pattern", ["right_pad", "all_zero", "all_active", "nonfinite"])
 @pytest.mark.parametrize("policy", [RowPolicy(), RowPolicy(threshold=1e-3, max_rows=5)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

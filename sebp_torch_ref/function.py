@@ -26,13 +26,14 @@ hands every layer its kept rows once per step instead.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import compiled
 from .grads import linear_grads
-from .plan import current_plan
+from .plan import RowPlan, current_plan
 from .policy import RowPolicy
 from .traced_state import TracedContextVar
 
@@ -73,16 +74,31 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+class _Backward(NamedTuple):
+    """How a layer's backward runs: what :func:`~sebp_torch_ref.grads.linear_grads` takes besides
+    the tensors (one argument of the ``Function``, whose ``apply`` costs host time per argument)."""
+
+    policy: RowPolicy
+    impl: str
+    plan: RowPlan | None
+    name: str | None
+
+
 class _SEBPLinearFunction(torch.autograd.Function):
-    """``Y = X W^T + b`` on 2-D ``X``; see :func:`sebp_linear`."""
+    """``Y = X W^T + b`` on ``X`` of any rank >= 2; see :func:`sebp_linear`.
+
+    ``X`` and ``dY`` are flattened to rows inside the ``Function``, not around it: reshapes
+    outside would be two more autograd nodes per layer (eagerly, host work per layer is what a
+    step of short sequences waits on), and ``flatten`` takes a layer of no input features, whose
+    ``reshape(-1, 0)`` is ambiguous."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, policy, impl, plan, name):
+    def forward(ctx, x, weight, bias, backward: _Backward):
         need_x, need_w = ctx.needs_input_grad[:2]
         # dX needs only W and dW only X: save nothing the backward will not read (frozen weights).
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
-        ctx.policy, ctx.impl, ctx.plan, ctx.name = policy, impl, plan, name
-        ctx.dtype = x.dtype
+        ctx.backward_options = backward
+        ctx.x_shape, ctx.dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
 
@@ -91,9 +107,9 @@ class _SEBPLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_b = ctx.needs_input_grad[2]
         # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
-        dx, dw, db = linear_grads(dy.to(ctx.dtype), x, weight, ctx.bias_dtype if need_b else None,
-                                  ctx.policy, ctx.impl, ctx.plan, ctx.name)
-        return dx, dw, db, None, None, None, None
+        dx, dw, db = linear_grads(dy.to(ctx.dtype).flatten(0, -2), None if x is None else x.flatten(0, -2), weight,
+                                  ctx.bias_dtype if need_b else None, *ctx.backward_options)
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
 def _check_args(x, weight, bias, policy, impl, name) -> None:
@@ -188,11 +204,10 @@ def sebp_linear(
         bias = None if bias is None else bias.to(dtype)
         autocast = torch.autocast(device_type, enabled=False)
     with autocast:
-        x2d = x.reshape(-1, x.shape[-1])
         if not traced:
-            y2d = _SEBPLinearFunction.apply(x2d, weight, bias, policy, impl, plan, name)
-        elif impl == "dense":  # the plain backward: Inductor compiles it with the rest
-            y2d = F.linear(x2d, weight, bias)
-        else:
-            y2d = compiled.linear(x2d, weight, bias, policy, impl, plan, name)
+            return _SEBPLinearFunction.apply(x, weight, bias, _Backward(policy, impl, plan, name))
+        if impl == "dense":  # the plain backward: Inductor compiles it with the rest
+            return F.linear(x, weight, bias)
+        x2d = x.flatten(0, -2)
+        y2d = compiled.linear(x2d, weight, bias, policy, impl, plan, name)
     return y2d.reshape(*x.shape[:-1], weight.shape[0])

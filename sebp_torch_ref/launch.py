@@ -14,7 +14,11 @@ specialisation key is a superset of what Triton specialises on, so a kept kernel
 with an argument its compilation did not assume: each tensor's dtype and whether its address is
 16-byte aligned, the value of every other argument and keyword, and the current device. Kept
 launches pass each tensor as its address, which Triton's launcher takes without a ``data_ptr()``
-call or a driver query per pointer.
+call or a driver query per pointer, so the driver no longer refuses a host tensor there: the
+reference checks every tensor's device at its API (:func:`~sebp_torch_ref.kernels.check_device`).
+What ``kernel[grid]`` reads from Triton's knobs at each launch (``debug``, the instrumentation
+mode) is read at a specialisation's first launch, and the kernel's globals are checked then; the
+reference changes neither between launches.
 
 The direct call uses Triton's internal launcher signature (``CompiledKernel.run(grid_0, grid_1,
 grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), the
