@@ -37,8 +37,8 @@ import triton
 
 __all__ = ["CachedLaunch", "SUPPORTED_TRITON", "specialization_key"]
 
-# Triton releases whose launcher signature has been read (3.6, 3.9) and whose cached launches have
-# been run against ``kernel[grid]`` on a GPU (3.6: tests/test_torch_launch.py, ``gpu``).
+# Triton releases [3.6, 3.10): the launcher signature was read in 3.6 and 3.9 (the same), and the
+# cached launches run against ``kernel[grid]`` on a GPU with 3.6 (parity_tests/test_torch_launch.py).
 SUPPORTED_TRITON = ((3, 6), (3, 10))
 
 # Distinct specialisations kept per kernel; past it the cache starts again (a float argument that
