@@ -115,7 +115,8 @@ def test_a_launch_hook_or_an_unread_triton_takes_kernel_grid(kernel, monkeypatch
       runtime.launch_exit_hook.remove(hook)
   assert len(kernel.launches) == 2 + chained and not kernel.runs
   monkeypatch.setattr(launch, "_triton_version", lambda: launch.SUPPORTED_TRITON[1])
-  unread = launch.CachedLaunch(kernel)
+  with pytest.warns(RuntimeWarning, match="toy_kernel launches through kernel\\[grid\\]"):
+    unread = launch.CachedLaunch(kernel)
   for _ in range(2):
     unread[(1,)](x, 10, 0.5, BLOCK=32)
   assert len(kernel.launches) == 4 + chained and not kernel.runs

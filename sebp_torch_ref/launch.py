@@ -22,14 +22,15 @@ reference changes neither between launches.
 
 The direct call uses Triton's internal launcher signature (``CompiledKernel.run(grid_0, grid_1,
 grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), the
-same in the Triton releases :data:`SUPPORTED_TRITON` names. Under any other release, and while a
-launch hook is set (a profiler such as Proton reads each launch's metadata), every launch goes
-through ``kernel[grid]``.
+same in the Triton releases :data:`SUPPORTED_TRITON` names. Under any other release every launch
+goes through ``kernel[grid]``, with a ``RuntimeWarning`` when the launcher is made; while a launch
+hook is set (a profiler such as Proton reads each launch's metadata), so do the launches.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -93,6 +94,13 @@ class CachedLaunch:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.enabled = SUPPORTED_TRITON[0] <= _triton_version() < SUPPORTED_TRITON[1]
+        if not self.enabled:  # said, not silent: eager steps pay kernel[grid]'s host time
+            low, high = SUPPORTED_TRITON
+            warnings.warn(
+                f"CachedLaunch: Triton {triton.__version__} is outside the releases whose launcher "
+                f"signature it was written against ({low[0]}.{low[1]} to before {high[0]}.{high[1]}); "
+                f"{getattr(kernel, '__name__', kernel)} launches through kernel[grid], with more host "
+                f"time per launch.", RuntimeWarning, stacklevel=2)
         self._kept: dict[tuple, tuple[Any, tuple]] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
