@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from parity_tests.triton_interpreter import INTERPRET  # noqa: E402
 from sebp_torch_ref import launch  # noqa: E402
 
 
@@ -128,6 +129,42 @@ def test_the_kept_kernels_are_bounded(kernel, monkeypatch):
   for scale in range(5):
     cached[(1,)](torch.zeros(4), 1, float(scale), BLOCK=8)
   assert len(cached._kept) == 2  # cleared at the fourth
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's kernels are not specialised")
+@pytest.mark.parametrize("name", ["_select_kernel", "_rank_key_kernel", "_compact_kernel", "_grads_kernel"])
+def test_the_key_determines_tritons_specialisation(name):
+  """Launches with one :func:`launch.specialization_key` get one specialisation from Triton's own
+  binder (for an sm_90 target, on CPU). Each argument in turn takes every candidate while the
+  others stay put: pointers, tensors of four dtypes at every residue of their address modulo 16
+  (many share a key); integers around Triton's 1, 16-divisibility and 32-bit classes. A Triton
+  that also specialised on, say, 32-byte alignment would give one key two specialisations."""
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler.compiler import make_backend
+  from triton.runtime.jit import create_function_from_signature
+
+  from sebp_torch_ref import kernels
+
+  kernel = getattr(kernels, name)
+  binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+  positional = [p for p in kernel.params if not p.is_constexpr]
+  constexprs = {p.name: 1 for p in kernel.params if p.is_constexpr}
+  buffers = [torch.zeros(64, dtype=dtype) for dtype in (torch.bfloat16, torch.float32, torch.int32, torch.int8)]
+  candidates = {
+    "pointer": [buffer[offset:] for buffer in buffers for offset in range(33)],
+    "integer": [1, 2, 15, 16, 17, 48, 2**31 - 1, 2**31, 2**40],
+  }
+  kinds = ["pointer" if p.name.endswith("_ptr") else "integer" for p in positional]
+  base = [candidates[kind][0] if kind == "pointer" else 16 for kind in kinds]
+  seen, launches = {}, 0
+  for i, kind in enumerate(kinds):
+    for value in candidates[kind]:
+      args = base[:i] + [value] + base[i + 1:]
+      key, _ = launch.specialization_key(tuple(args), constexprs)
+      _, specialization, _ = binder(*args, **constexprs)
+      assert seen.setdefault(key, specialization) == specialization, (positional[i].name, value)
+      launches += 1
+  assert len(seen) < launches / 4  # keys were shared, so the check above compared something
 
 
 @pytest.mark.gpu
