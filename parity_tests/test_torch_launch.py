@@ -2,8 +2,9 @@
 ``kernel[grid]`` would make (same compiled kernel, same arguments in signature order), and a
 launch whose specialisation differs goes back through ``kernel[grid]``.
 
-CPU: against a recording stand-in for a Triton kernel. GPU: the reference's GEMM launch, cached
-and not, bit for bit, aligned and misaligned operands.
+CPU: against a recording stand-in for a Triton kernel, and the key against Triton's own
+specialisation of the reference's kernels. GPU: the reference's GEMM launch, cached and not, bit
+for bit, aligned and misaligned operands.
 """
 
 from __future__ import annotations
