@@ -51,7 +51,7 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.kernel_options import launch_options
+from benchmarks.kernel_options import KERNEL_GRID, launch_options
 from sebp_torch_ref import RowPolicy, SEBPLinear, row_plan
 
 __all__ = ["PATHS", "bert_stack", "measure"]
@@ -297,7 +297,7 @@ def main(argv=None) -> None:
         launches = ["cached", "kernel[grid]"] if triton_path and args.kernel_grid else ["cached"]
         stack = bert_stack(path, args.blocks, shapes, device, dtype)
         for launch in launches:
-            with launch_options([("_CACHED_LAUNCH", False)] if launch == "kernel[grid]" else []):
+            with launch_options(KERNEL_GRID if launch == "kernel[grid]" else ()):
                 row = dict(measure(path, stack, x, mask, args.steps), launch=launch if triton_path else "")
                 if path == "triton+plan":
                     row["split"] = planned_host_split(stack, x, mask, calls=replays)

@@ -16,7 +16,10 @@ import importlib
 from typing import Any, Iterator, Sequence
 from unittest import mock
 
-__all__ = ["launch_options"]
+__all__ = ["KERNEL_GRID", "launch_options"]
+
+# torch: every eager launch through Triton's kernel[grid] instead of sebp_torch_ref.launch.CachedLaunch.
+KERNEL_GRID = (("_CACHED_LAUNCH", False),)
 
 # framework -> (kernel module, its functions that cache launch plans)
 _KERNELS = {

@@ -110,7 +110,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from benchmarks.kernel_options import launch_options
+from benchmarks.kernel_options import KERNEL_GRID, launch_options
 from sebp_jax import xla_flags
 
 __all__ = [
@@ -298,7 +298,7 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-sebp-plan", "torch", "triton", rows=True),
   # ... with every eager launch through Triton's kernel[grid], as up to v32 (a same-process A/B of
   # sebp_torch_ref.launch.CachedLaunch: eagerly, BERT-base's step waits on host time).
-  Variant("torch-sebp-plan-kernel-grid", "torch", "triton", rows=True, launch=(("_CACHED_LAUNCH", False),)),
+  Variant("torch-sebp-plan-kernel-grid", "torch", "triton", rows=True, launch=KERNEL_GRID),
   Variant("torch-bound", "torch", "bound"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
   # Without host launch overhead: what the GPU work of the step costs.
