@@ -11,9 +11,11 @@ forward and backward ``--steps`` times per path:
 * ``triton``: ``impl="triton"``, every layer selecting its rows from ``dY``;
 * ``triton+plan``: ``impl="triton"`` under :func:`~sebp_torch_ref.row_plan` of the padding mask.
 
-Per path: **host µs per layer** of the forward and of the backward, ``perf_counter`` around the
-calls that issue the work, with no synchronisation inside (the host's cost of issuing the
-launches); and **GPU µs per layer** of the backward, CUDA events around a backward issued while
+Per path, with ``backward()`` run as autograd runs it by default (column ``backward on``:
+``worker``, the GPU's nodes handed to autograd's worker thread for the device) and on the calling
+thread (``caller``, under ``torch.autograd.set_multithreading_enabled(False)``): **host µs per
+layer** of the forward and of the backward, ``perf_counter`` around the calls that issue the work,
+with no synchronisation inside (the host's cost of issuing the launches); and **GPU µs per layer** of the backward, CUDA events around a backward issued while
 the GPU is held by a sleep kernel, so that the launches queue up first and the events time the
 kernels back to back, without the host's gaps. Where host µs exceed GPU µs, an eager step waits on
 Python, not on the GPU. ``--profile`` writes a cProfile top-20 (by own time) of the Triton path's
@@ -95,8 +97,10 @@ def _hold_gpu() -> None:
         sleep(_SLEEP_CYCLES)
 
 
-def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, steps: int) -> dict:
-    """Host µs per layer (forward, backward) and GPU µs per layer (backward) of ``steps`` steps."""
+def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor, steps: int,
+            caller_thread: bool = False) -> dict:
+    """Host µs per layer (forward, backward) and GPU µs per layer (backward) of ``steps`` steps;
+    ``caller_thread``: ``backward()`` with autograd's worker threads off."""
     cuda = x.device.type == "cuda"
     layers = len(stack)
     params = list(stack.parameters())
@@ -118,7 +122,8 @@ def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor
             _hold_gpu()
             start.record()
         t2 = time.perf_counter()
-        y.backward(dy)
+        with torch.autograd.set_multithreading_enabled(not caller_thread):
+            y.backward(dy)
         t3 = time.perf_counter()
         if cuda:
             end.record()
@@ -131,7 +136,7 @@ def measure(path: str, stack: nn.Sequential, x: torch.Tensor, mask: torch.Tensor
         for p in params:
             p.grad = None
     return {
-        "path": path, "layers": layers,
+        "path": path, "backward": "caller" if caller_thread else "worker", "layers": layers,
         "fwd_host_us": statistics.median(fwd_host), "bwd_host_us": statistics.median(bwd_host),
         "bwd_gpu_us": statistics.median(bwd_gpu) if bwd_gpu else None,
     }
@@ -244,19 +249,21 @@ def markdown_table(result: dict) -> str:
         f"batch {result['batch']} x {result['seq']}, {100 * result['real_fraction']:.1f} % real tokens, "
         f"torch {result['torch']}, triton {result['triton']}",
         "",
-        "| path | launch | fwd host µs/layer | bwd host µs/layer | bwd GPU µs/layer | bwd host / GPU |",
-        "|---|---|---|---|---|---|",
+        "| path | launch | backward on | fwd host µs/layer | bwd host µs/layer | bwd GPU µs/layer | "
+        "bwd host / GPU |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         gpu = r["bwd_gpu_us"]
         ratio = f"{r['bwd_host_us'] / gpu:.2f}" if gpu else "n/a"
         gpu_text = f"{gpu:.1f}" if gpu is not None else "n/a"
-        lines.append(f"| {r['path']} | {r['launch']} | {r['fwd_host_us']:.1f} | {r['bwd_host_us']:.1f} | "
-                     f"{gpu_text} | {ratio} |")
+        lines.append(f"| {r['path']} | {r['launch']} | {r['backward']} | {r['fwd_host_us']:.1f} | "
+                     f"{r['bwd_host_us']:.1f} | {gpu_text} | {ratio} |")
     for r in result["rows"]:
         split = r.get("split")
         if split is not None:
-            lines += ["", f"{r['path']} ({r['launch']}) backward, host µs per layer: {r['bwd_host_us']:.1f}, "
+            lines += ["", f"{r['path']} ({r['launch']}, backward on the {r['backward']} thread) backward, "
+                          f"host µs per layer: {r['bwd_host_us']:.1f}, "
                           f"of which autograd and the Function {r['bwd_host_us'] - split['grads_host_us']:.1f}, "
                           f"linear_grads {split['grads_host_us']:.1f} (the GEMM launch "
                           f"{split['launch_host_us']:.1f}, {split['launches_per_layer']:g} a layer; the rest "
@@ -298,13 +305,17 @@ def main(argv=None) -> None:
         stack = bert_stack(path, args.blocks, shapes, device, dtype)
         for launch in launches:
             with launch_options(KERNEL_GRID if launch == "kernel[grid]" else ()):
-                row = dict(measure(path, stack, x, mask, args.steps), launch=launch if triton_path else "")
-                if path == "triton+plan":
-                    row["split"] = planned_host_split(stack, x, mask, calls=replays)
+                # linear_grads' host time does not depend on the thread: split once, beside both.
+                split = planned_host_split(stack, x, mask, calls=replays) if path == "triton+plan" else None
+                for caller_thread in (False, True):
+                    row = dict(measure(path, stack, x, mask, args.steps, caller_thread),
+                               launch=launch if triton_path else "")
+                    if split is not None:
+                        row["split"] = split
+                    result["rows"].append(row)
                 if path == "triton" and launch == "cached" and args.profile is not None:
                     args.profile.parent.mkdir(parents=True, exist_ok=True)
                     args.profile.write_text(profile_triton_host(stack, x, mask, calls=replays))
-            result["rows"].append(row)
         del stack
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

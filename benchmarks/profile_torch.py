@@ -65,7 +65,8 @@ def profile_variant(spec, variant: Variant, batches: Sequence[dict], dense_steps
   def call(batch, dense):
     with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
-    loss.backward()
+    with torch.autograd.set_multithreading_enabled(not variant.caller_thread):
+      loss.backward()
     for p in model.parameters():
       p.grad = None
 

@@ -4,12 +4,13 @@
 #   OUT=/some/dir PYTHON=python bash benchmarks/run_torch_gpu.sh [SUITE]   # results under $OUT/torch
 #
 # SUITE (default eager):
-# * eager: the GPU tests of the eager paths, host vs GPU time per layer (host_overhead_torch, each
-#   Triton path with cached launches and through kernel[grid]), BERT-base b32 with torch-dense,
-#   torch-sebp-plan (row plan of the attention mask; also its launches through kernel[grid]) and
-#   torch-bound, each eager and replayed from CUDA graphs (no host launch overhead), LLaMA-3.2-3B
-#   b1 eager with the three on piqa and full_length, and a per-kernel-family profile of the eager
-#   BERT step.
+# * tests: the GPU tests of every torch test file, four workers (2026-11-29: 579 in ~105 s).
+# * eager: host vs GPU time per layer (host_overhead_torch, backward on autograd's worker thread
+#   and on the calling thread), BERT-base b32 with torch-dense, torch-sebp-plan (row plan of the
+#   attention mask) and torch-bound, each eager, eager with the backward on the calling thread
+#   (*-caller-thread) and replayed from CUDA graphs (no host launch overhead), LLaMA-3.2-3B b1
+#   eager with the three, also on the calling thread, on piqa and full_length, and a
+#   per-kernel-family profile of the eager BERT step.
 # * compiled-bert: the torch.compile GPU tests, BERT-base b32 (every workload) with the three under
 #   torch.compile and replayed from CUDA graphs (the compiled BERT step launched from the host
 #   waits on its launches: 2026-11-29, busy 14.8 ms in a 22.7 ms step), and the profile of the
@@ -32,8 +33,8 @@
 # $OUT/torch/summary_torch.md, the one file that carries every number.
 set -u
 suite=${1:-eager}
-case "$suite" in eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer) ;;
-  *) echo "usage: bash benchmarks/run_torch_gpu.sh [eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer]" >&2
+case "$suite" in tests|eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer) ;;
+  *) echo "usage: bash benchmarks/run_torch_gpu.sh [tests|eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer]" >&2
      exit 2;;
 esac
 out=${OUT:-benchmarks/results}/torch
@@ -66,21 +67,26 @@ stage() {
 # append FILE...: markdown files written by a stage, into the summary.
 append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
 
-if [ "$suite" = eager ]; then
-  stage 110 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_launch.py \
+if [ "$suite" = tests ]; then
+  stage 240 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_launch.py \
     parity_tests/test_torch_sebp_linear.py parity_tests/test_torch_hf.py parity_tests/test_torch_graph.py \
-    parity_tests/test_torch_attention.py -m gpu -q -x -p no:cacheprovider \
-    --junitxml="$out/gpu_tests_torch.xml"
-  # Each Triton path twice: cached launches and every launch through kernel[grid] (--kernel-grid).
+    parity_tests/test_torch_attention.py parity_tests/test_torch_compiled.py -m gpu -q -n 4 \
+    -p no:cacheprovider --junitxml="$out/gpu_tests_torch.xml"
+elif [ "$suite" = eager ]; then
+  # 2026-11-29: 34 s with every Triton path's launches also through kernel[grid] (v33's A/B).
   stage 70 "host vs GPU time per layer (BERT-base stack, 3 % real)" $py -m benchmarks.host_overhead_torch \
-    --kernel-grid --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
+    --out "$out/host_overhead_torch.json" --profile "$out/host_overhead_torch_profile.txt"
   append "$out/host_overhead_torch_profile.txt"
-  stage 230 "BERT-base b32 (eager and CUDA-graphed)" $py -m benchmarks.bert --tag torch --out-dir "$out" \
-    --steps 8 --time-budget 220 --variants torch-dense torch-sebp-plan torch-sebp-plan-kernel-grid \
-    torch-bound torch-dense-graphed torch-sebp-plan-graphed torch-bound-graphed
+  # 2026-11-29: 26-29 s per eager variant, 187 s for seven.
+  stage 280 "BERT-base b32 (eager, eager on the calling thread, CUDA-graphed)" $py -m benchmarks.bert \
+    --tag torch --out-dir "$out" --steps 8 --time-budget 270 --variants torch-dense torch-sebp-plan \
+    torch-bound torch-dense-caller-thread torch-sebp-plan-caller-thread torch-bound-caller-thread \
+    torch-dense-graphed torch-sebp-plan-graphed torch-bound-graphed
   append "$out/bert_torch.md"
-  stage 90 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 80 \
-    --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound
+  # 2026-11-29: ~20 s per variant.
+  stage 140 "LLaMA-3.2-3B b1" $py -m benchmarks.llama --tag torch --out-dir "$out" --batches 1 --time-budget 130 \
+    --workloads piqa full_length --variants torch-dense torch-sebp-plan torch-bound \
+    torch-dense-caller-thread torch-sebp-plan-caller-thread torch-bound-caller-thread
   append "$out/llama_b1_torch.md"
   stage 30 "BERT b32 profile (glue_sst2)" $py -m benchmarks.profile_torch --model bert --batch 32 \
     --workload glue_sst2 --out-dir "$out" --variants torch-dense torch-sebp-plan

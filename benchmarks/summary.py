@@ -2,9 +2,10 @@
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
 the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
-own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-graphed`` /
-``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the graphed / compiled / compiled
-and graphed torch variants), the way to its own framework's bound
+own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-caller-thread`` /
+``torch-dense-graphed`` /
+``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the caller-thread / graphed /
+compiled / compiled and graphed torch variants), the way to its own framework's bound
 ``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound`` or the
 torch bound of the same suffix), and
 peak memory against its own dense; and, for the ``full_length`` workload, the step time as a
@@ -26,13 +27,15 @@ from benchmarks.workloads import BASELINE, speedups
 __all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_summary"]
 
 BOUND = "jax-bound"
-# framework -> (its dense variant, its bound variant); a CUDA-graphed torch step is compared with
+# framework -> (its dense variant, its bound variant); an eager torch step whose backward runs on
+# the calling thread is compared with dense and the bound run so; a CUDA-graphed torch step with
 # the graphed dense and bound steps (the same host overhead: none), a compiled one with the
 # compiled ones (the same fusions between the linear layers), a compiled and graphed one with the
 # compiled and graphed ones (both).
 # A JAX step under the command-buffer flags likewise with dense and the bound under them.
 REFERENCES = {"jax": (BASELINE, BOUND), "torch": ("torch-dense", "torch-bound"),
               "torch-graphed": ("torch-dense-graphed", "torch-bound-graphed"),
+              "torch-caller-thread": ("torch-dense-caller-thread", "torch-bound-caller-thread"),
               "torch-compiled": ("torch-dense-compiled", "torch-bound-compiled"),
               "torch-compiled-graphed": ("torch-dense-compiled-graphed",
                                          "torch-bound-compiled-graphed"),

@@ -34,6 +34,10 @@ Variants (:data:`VARIANTS`)
   :func:`sebp_torch_ref.row_plan` of the batch's attention mask: no layer selects its rows) and
   ``torch-sebp-topn`` (the paper's fixed Top-N,
   ``RowPolicy(max_rows=ModelSpec.paper_max_rows)``, where the paper gives one);
+  ``torch-dense-caller-thread``, ``torch-sebp-plan-caller-thread`` and
+  ``torch-bound-caller-thread`` call ``backward()`` under
+  ``torch.autograd.set_multithreading_enabled(False)``: the backward runs on the calling thread,
+  not handed to autograd's worker thread for the GPU (compared with each other);
   ``torch-dense-graphed``, ``torch-sebp-plan-graphed``, ``torch-bound-graphed`` and
   ``torch-sebp-topn-graphed`` run the same
   models' steps as CUDA graphs (:class:`benchmarks.torch_graph.GraphedStep`: no host launch
@@ -257,7 +261,8 @@ class Variant:
   step captured in CUDA graphs and replayed per batch. ``compiled``: the torch model (after its
   patching) under ``torch.compile`` in its default mode; each SEBP layer is an op in the
   one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break); with ``graphed``, the
-  compiled step is what the CUDA graphs record. ``layers``: ``"dense"``, the model as
+  compiled step is what the CUDA graphs record. ``caller_thread``: the eager torch step's
+  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)``. ``layers``: ``"dense"``, the model as
   :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
@@ -277,6 +282,7 @@ class Variant:
   graphed: bool = False  # torch: the step replayed from CUDA graphs (benchmarks.torch_graph)
   compiled: bool = False  # torch: the model under torch.compile (SEBP's layers: ops in the graph)
   command_buffers: bool = False  # jax: XLA_FLAGS with sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS
+  caller_thread: bool = False  # torch: backward() on the calling thread (no autograd worker)
   launch: tuple[tuple[str, Any], ...] = ()  # (kernel module attribute, value) pairs
 
   @property
@@ -301,6 +307,12 @@ VARIANTS: tuple[Variant, ...] = (
   Variant("torch-sebp-plan-kernel-grid", "torch", "triton", rows=True, launch=KERNEL_GRID),
   Variant("torch-bound", "torch", "bound"),
   Variant("torch-sebp-topn", "torch", "triton", max_rows="paper"),
+  # The eager backward on the calling thread instead of autograd's worker thread for the GPU:
+  # each SEBP layer's Python backward then runs without a thread handoff (eager BERT-base's
+  # step waits on host time).
+  Variant("torch-dense-caller-thread", "torch", "dense", caller_thread=True),
+  Variant("torch-sebp-plan-caller-thread", "torch", "triton", rows=True, caller_thread=True),
+  Variant("torch-bound-caller-thread", "torch", "bound", caller_thread=True),
   # Without host launch overhead: what the GPU work of the step costs.
   Variant("torch-dense-graphed", "torch", "dense", graphed=True),
   Variant("torch-sebp-plan-graphed", "torch", "triton", rows=True, graphed=True),
@@ -790,13 +802,16 @@ def _torch_marks(model, optimizer, clock: _TorchClock, variant: Variant, batches
 
   ``dense_steps``: per batch, whether its forward records the dense backward (decided on the
   host: no device read); see :func:`torch_forward_context`."""
+  import torch
+
   marks = []
   for batch, dense in zip(batches, dense_steps):
     t0 = clock.mark()
     with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
     t1 = clock.mark()
-    loss.backward()
+    with torch.autograd.set_multithreading_enabled(not variant.caller_thread):
+      loss.backward()
     t2 = clock.mark()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -85,6 +85,17 @@ def test_command_buffer_variants_compare_with_dense_and_bound_under_the_same_fla
   assert plan["bwd_x"] == (2.0, 2.0)               # over jax-dense-cmdbuf too (Variant.baseline)
 
 
+def test_caller_thread_torch_variants_compare_with_dense_and_bound_run_so():
+  result = {**RESULT, "rows": RESULT["rows"] + [
+    _row("a", "torch-dense-caller-thread", bwd=18.0, step=36.0, mem=None),
+    _row("a", "torch-bound-caller-thread", bwd=3.0, step=24.0, mem=None),
+    _row("a", "torch-sebp-plan-caller-thread", bwd=6.0, step=26.0, mem=None),
+  ]}
+  plan = summary.variant_ranges(result)[(4, "torch-sebp-plan-caller-thread")]
+  assert plan["own_bwd_x"] == (3.0, 3.0)           # 18 / 6, not torch-dense's 20 / 6
+  assert plan["way"] == (0.8, 0.8)                 # (18-6)/(18-3)
+
+
 def test_compiled_torch_variants_compare_with_compiled_dense_and_bound():
   result = {**RESULT, "rows": RESULT["rows"] + [
     _row("a", "torch-dense-compiled", bwd=12.0, step=24.0, mem=None),

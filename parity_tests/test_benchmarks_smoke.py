@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -220,13 +221,46 @@ def _check_schema(result: dict, variants: set[str], batch_sizes: set[int]) -> No
 
 def test_bert_tiny_end_to_end_in_process(tmp_path):
   variants = {"jax-dense", "jax-sebp-xla", "jax-bound", "jax-dynamic", "torch-dense", "torch-sebp",
-              "torch-sebp-plan", "torch-sebp-plan-kernel-grid", "torch-bound"}
+              "torch-sebp-plan", "torch-sebp-plan-kernel-grid", "torch-bound",
+              "torch-dense-caller-thread", "torch-sebp-plan-caller-thread", "torch-bound-caller-thread"}
   # torch-sebp-topn runs nothing: the tiny model has no paper Top-N.
   result = _run("bert", tmp_path, "--in-process", "--workloads", "trec", "--variants", *variants,
                 "torch-sebp-topn")
   _check_schema(result, variants, {4})
   dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
+
+
+def test_caller_thread_variants_call_backward_with_autograds_worker_threads_off():
+  """A ``*-caller-thread`` variant's step calls ``backward()`` with multithreading off (its nodes
+  on the calling thread), every other eager variant's with it on: as read inside the backward."""
+  import torch
+
+  seen = []
+
+  class Model(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, input_ids, attention_mask):
+      loss = (self.w * input_ids * attention_mask).sum()
+      loss.register_hook(lambda grad: seen.append(torch._C._is_multithreading_enabled()))
+      return types.SimpleNamespace(loss=loss)
+
+  model = Model()
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+  batch = {"input_ids": torch.ones(1, 3), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+  by_name = {v.name: v for v in workloads.VARIANTS}
+  for name, multithreaded in (("torch-dense", True), ("torch-sebp-plan", True),
+                              ("torch-dense-caller-thread", False),
+                              ("torch-sebp-plan-caller-thread", False),
+                              ("torch-bound-caller-thread", False)):
+    seen.clear()
+    workloads._torch_marks(model, optimizer, workloads._TorchClock(torch, "cpu"), by_name[name],
+                           [batch], [False])
+    assert seen == [multithreaded], name
+  assert torch._C._is_multithreading_enabled()  # the setting ends with the backward
 
 
 def test_bert_tiny_compiled_torch_variants(tmp_path):
@@ -330,8 +364,9 @@ def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(out.read_text())
   launches = {"nn.Linear": [""], "dense": [""]}
-  assert [(r["path"], r["launch"]) for r in result["rows"]] == [
-    (path, launch) for path in PATHS for launch in launches.get(path, ["cached", "kernel[grid]"])]
+  assert [(r["path"], r["launch"], r["backward"]) for r in result["rows"]] == [
+    (path, launch, thread) for path in PATHS for launch in launches.get(path, ["cached", "kernel[grid]"])
+    for thread in ("worker", "caller")]
   assert result["layers"] == 3
   assert all(r["bwd_host_us"] > 0 and r["fwd_host_us"] > 0 and r["bwd_gpu_us"] is None
              for r in result["rows"])
@@ -339,11 +374,12 @@ def test_host_overhead_torch_tiny_under_the_interpreter(tmp_path):
   # The planned backward's host time split, for each launch: one GEMM launch a layer, inside
   # linear_grads.
   splits = [r["split"] for r in result["rows"] if r["path"] == "triton+plan"]
-  assert len(splits) == 2
+  assert len(splits) == 4  # per launch, beside both threads' rows
   for split in splits:
     assert split["launches_per_layer"] == 1
     assert 0 < split["launch_host_us"] < split["grads_host_us"]
-  assert done.stdout.count("the GEMM launch") == 2
+  assert done.stdout.count("the GEMM launch") == 4
+  assert "| triton+plan | cached | caller |" in done.stdout
 
 
 @pytest.mark.slow

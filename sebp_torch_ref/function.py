@@ -106,8 +106,9 @@ class _SEBPLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_b = ctx.needs_input_grad[2]
-        # Autograd hands dY in the output's dtype, which is x's; be explicit for odd callers.
-        dx, dw, db = linear_grads(dy.to(ctx.dtype).flatten(0, -2), None if x is None else x.flatten(0, -2), weight,
+        if dy.dtype != ctx.dtype:  # autograd hands dY in the output's dtype, which is x's
+            dy = dy.to(ctx.dtype)
+        dx, dw, db = linear_grads(dy.flatten(0, -2), None if x is None else x.flatten(0, -2), weight,
                                   ctx.bias_dtype if need_b else None, *ctx.backward_options)
         return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
 
