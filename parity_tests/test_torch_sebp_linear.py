@@ -144,11 +144,10 @@ def run_and_compare(impl, device, dtype, policy, dy, *, bias=True, x=None, weigh
     leaves = [t.requires_grad_() if t.is_leaf else t for t in (x, weight, b) if t is not None]
     dy = dy.to(device, dtype)
     y = sebp_linear(x, weight, b, policy=policy, impl=impl)
-    # The forward is F.linear on the rows flattened, bit for bit. (F.linear on a non-contiguous
-    # 3-D view may take another CUDA GEMM, which sums in another order: seen on an H200 for a
-    # transposed float32 x, 3.8e-6 apart.)
-    flat = F.linear(x.reshape(-1, x.shape[-1]), weight, b).reshape(y.shape)
-    torch.testing.assert_close(y, flat, rtol=0, atol=0)
+    # The forward is F.linear on x at its own rank, bit for bit: nn.Linear's. (Not F.linear on the
+    # rows flattened: on a non-contiguous 3-D view CUDA may take another GEMM, which sums in
+    # another order: seen on an H200 for a transposed float32 x, 3.8e-6 apart.)
+    torch.testing.assert_close(y, F.linear(x, weight, b), rtol=0, atol=0)
     grads = torch.autograd.grad(y, leaves, dy)
     keep = keep_mask(dy.reshape(-1, dy.shape[-1]).cpu(), policy)
     expected = reference_grads(x.cpu(), weight.cpu(), b, dy.cpu(), keep)
