@@ -96,6 +96,19 @@ def test_caller_thread_torch_variants_compare_with_dense_and_bound_run_so():
   assert plan["way"] == (0.8, 0.8)                 # (18-6)/(18-3)
 
 
+def test_no_way_to_a_bound_slower_than_dense():
+  # An eager step that waits on the host: the bound's backward (Python per layer too) can take
+  # longer than dense's. The workload then has no way to the bound; the others keep theirs.
+  kept = [r for r in RESULT["rows"] if (r["workload"], r["variant"]) != ("b", "torch-dense")]  # its OOM
+  result = {**RESULT, "rows": kept + [
+    _row("b", "torch-dense", bwd=20.0, step=40.0, mem=None),
+    _row("b", "torch-bound", bwd=22.0, step=42.0, mem=None),
+  ]}
+  torch_sebp = summary.variant_ranges(result)[(4, "torch-sebp")]
+  assert torch_sebp["way"] == (0.75, 0.75)              # workload a only: (20-8)/(20-4)
+  assert torch_sebp["own_bwd_x"] == (20 / 9, 2.5)       # both workloads: 20 / 9, 20 / 8
+
+
 def test_compiled_torch_variants_compare_with_compiled_dense_and_bound():
   result = {**RESULT, "rows": RESULT["rows"] + [
     _row("a", "torch-dense-compiled", bwd=12.0, step=24.0, mem=None),
