@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parity_tests.triton_interpreter import INTERPRET, run_triton_cases
 from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp, dense_backward, row_plan, sebp_linear
+from sebp_torch_ref.plan import RowPlan
 from sebp_torch_ref.policy import keep_mask
 
 HAS_CUDA = torch.cuda.is_available()
@@ -859,6 +860,31 @@ def test_row_plan_zeroed_counters_are_fresh_aligned_slices(monkeypatch):
     # shares; 20 exceeds a chunk and gets its own; 2 starts another.
     assert chunks[0] is chunks[1] and chunks[2] is chunks[3] and len({id(c) for c in chunks}) == 4
     assert chunks[4].numel() == 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_row_plan_zeroed_counters_follow_the_stream_and_capture():
+    """A chunk serves the stream it was zeroed on: another stream starts its own, so its memset is
+    ordered before that stream's launches. Under CUDA graph capture each call gets zeros of its
+    own, captured with it, which every replay zeroes again."""
+    plan = RowPlan(torch.ones(2, 3, dtype=torch.bool, device="cuda"), check=False)
+    first = plan.zeroed_counters(8)
+    assert plan.zeroed_counters(8)._base is first._base  # same stream: the same chunk
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = plan.zeroed_counters(8)
+    assert other._base is not first._base and not other.any()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # the stream whose chunk was zeroed outside it
+        captured = plan.zeroed_counters(8)
+        captured += 1  # a launch counting in it
+    assert captured._base is not other._base
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert captured.tolist() == [1] * 8  # zeroed at every replay, then counted once
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])

@@ -53,8 +53,9 @@ class RowPlan:
         self.check = check
         # (perm, count) as rows() makes them; given where a compiled graph has made them already.
         self._rows = rows
-        self._counters: torch.Tensor | None = None  # the arena's current chunk
-        self._counters_used = 0
+        self._counters: torch.Tensor | None = None  # the arena's current chunk,
+        self._counters_stream = None  # the stream it was zeroed on (CUDA),
+        self._counters_used = 0  # and how much of it is handed out
 
     def applies_to(self, x: torch.Tensor) -> bool:
         """Whether the plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
@@ -80,12 +81,21 @@ class RowPlan:
         return self._rows
 
     def zeroed_counters(self, n: int) -> torch.Tensor:
-        """``n`` int32 zeros on the mask's device, for the counters of one launch of this plan's
-        step: a slice of a chunk zeroed once, never handed out twice (each launch counts in its
-        own slice, so launches on other streams or replayed from a CUDA graph never share one)."""
+        """``n`` int32 zeros on the mask's device for the counters of one launch: a slice of a
+        chunk zeroed once, never handed out twice. A chunk serves the stream it was zeroed on (a
+        launch on another stream starts a new one, zeroed on its own stream, so the memset is
+        ordered before the launch). Under CUDA graph capture every call gets zeros of its own: the
+        graph then re-zeroes them at each replay, which a chunk zeroed outside it would not."""
+        device = self.mask.device
+        stream = None
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return torch.zeros(n, dtype=torch.int32, device=device)
+            stream = torch.cuda.current_stream(device)
         start = -(-self._counters_used // _COUNTERS_ALIGN) * _COUNTERS_ALIGN
-        if self._counters is None or start + n > self._counters.numel():
-            self._counters = torch.zeros(max(n, _COUNTERS_CHUNK), dtype=torch.int32, device=self.mask.device)
+        if self._counters is None or start + n > self._counters.numel() or stream != self._counters_stream:
+            self._counters = torch.zeros(max(n, _COUNTERS_CHUNK), dtype=torch.int32, device=device)
+            self._counters_stream = stream
             start = 0
         self._counters_used = start + n
         return self._counters[start:start + n]
