@@ -27,7 +27,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parity_tests.triton_interpreter import INTERPRET, run_triton_cases
 from sebp_torch_ref import RowPolicy, SEBPLinear, apply_sebp, dense_backward, row_plan, sebp_linear
-from sebp_torch_ref.plan import RowPlan
 from sebp_torch_ref.policy import keep_mask
 
 HAS_CUDA = torch.cuda.is_available()
@@ -840,88 +839,6 @@ def test_row_plan_records_in_the_forward_and_computes_rows_once():
     x2 = x.clone().requires_grad_()
     sebp_linear(x2, layers[0].weight, impl="torch").backward(torch.randn(3, 13, IN_FEATURES, generator=gen))
     assert plan._rows[0] is perm  # outside the block nothing is planned, and the plan is unchanged
-
-
-def test_row_plan_zeroed_counters_are_fresh_aligned_slices(monkeypatch):
-    """Each call hands out zeros that no earlier call holds, starting 16-byte aligned (Triton
-    specialises a pointer on it), from a new chunk once the current one cannot hold them."""
-    from sebp_torch_ref import plan as plan_module
-
-    monkeypatch.setattr(plan_module, "_COUNTERS_CHUNK", 16)
-    plan = plan_module.RowPlan(torch.ones(2, 3, dtype=torch.bool), check=False)
-    slices = [plan.zeroed_counters(n) for n in (3, 5, 6, 1, 20, 2)]
-    for i, counters in enumerate(slices):
-        assert counters.dtype == torch.int32 and not counters.any()
-        assert counters.data_ptr() % 16 == 0
-        counters.fill_(i + 1)  # a slice shared with an earlier one would overwrite it
-    assert [int(c[0]) for c in slices] == [1, 2, 3, 4, 5, 6] and [c.numel() for c in slices] == [3, 5, 6, 1, 20, 2]
-    chunks = [c._base for c in slices]
-    # 3 and 5 fit the first chunk of 16 (at 0 and 4); 6 does not (at 12): a new chunk, which 1 then
-    # shares; 20 exceeds a chunk and gets its own; 2 starts another.
-    assert chunks[0] is chunks[1] and chunks[2] is chunks[3] and len({id(c) for c in chunks}) == 4
-    assert chunks[4].numel() == 20
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_row_plan_zeroed_counters_follow_the_stream_and_capture():
-    """A chunk serves the stream it was zeroed on: another stream starts its own, so its memset is
-    ordered before that stream's launches. Under CUDA graph capture each call gets zeros of its
-    own, captured with it, which every replay zeroes again."""
-    plan = RowPlan(torch.ones(2, 3, dtype=torch.bool, device="cuda"), check=False)
-    first = plan.zeroed_counters(8)
-    assert plan.zeroed_counters(8)._base is first._base  # same stream: the same chunk
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        other = plan.zeroed_counters(8)
-    assert other._base is not first._base and not other.any()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # the stream whose chunk was zeroed outside it
-        captured = plan.zeroed_counters(8)
-        captured += 1  # a launch counting in it
-    assert captured._base is not other._base
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert captured.tolist() == [1] * 8  # zeroed at every replay, then counted once
-
-
-@pytest.mark.parametrize("device", [CPU, CUDA])
-def test_row_plan_split_dw_counts_in_the_plans_arena(monkeypatch, device):
-    """Planned layers whose dW is split over rows count their arrivals in disjoint slices of the
-    plan's zeroed arena (no memset launch of their own), and their gradients are dense autograd's
-    on the plan's rows, layer after layer."""
-    _skip_unavailable("triton", device)
-    from sebp_torch_ref import kernels
-
-    monkeypatch.setattr(kernels, "_dw_split", lambda *_: 3)
-    kernels._default_gemm_plan.cache_clear()
-    launches = []
-    launcher = kernels._launcher
-    monkeypatch.setattr(kernels, "_launcher", lambda kernel, traceable: _Recorded(
-        launcher(kernel, traceable), launches) if kernel is kernels._grads_kernel else launcher(kernel, traceable))
-    gen = _generator("plan-arena")
-    mask, _ = _plan_case("right_pad", gen)
-    layers = [SEBPLinear(IN_FEATURES, IN_FEATURES, impl="triton", device=device) for _ in range(2)]
-    x = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device)
-    dy = torch.randn(3, 13, IN_FEATURES, generator=gen).to(device) * mask[..., None].to(device)
-    try:
-        with row_plan(mask.to(device)) as plan:
-            y = layers[1](layers[0](x.clone().requires_grad_()))
-        y.backward(dy)
-    finally:
-        kernels._default_gemm_plan.cache_clear()
-    where = kernels._grads_kernel.arg_names.index("counters_ptr")
-    counters = [args[where] for args in launches]
-    assert len(counters) == 2 and all(c._base is plan._counters for c in counters)
-    assert counters[0].data_ptr() != counters[1].data_ptr()
-    ref = [(layer.weight.detach().cpu().double().requires_grad_(),
-            layer.bias.detach().cpu().double().requires_grad_()) for layer in layers]
-    F.linear(F.linear(x.cpu().double(), *ref[0]), *ref[1]).backward(dy.cpu().double())
-    for layer, (weight, bias) in zip(layers, ref):
-        assert_grad_close(layer.weight.grad.cpu(), weight.grad, torch.float32)
-        assert_grad_close(layer.bias.grad.cpu(), bias.grad, torch.float32)
 
 
 @pytest.mark.parametrize(

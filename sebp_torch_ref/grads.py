@@ -55,12 +55,10 @@ def linear_grads(
         fused_db = need_b and need_w and x.shape[1] > 0
         if need_x or need_w:
             # The plan's rows, read in place through its permutation: one GEMM launch.
-            # Eagerly the split dW's counters come from the plan's arena (no memset launch per
-            # layer); traced, each launch's buffers are its own, as a triton_op's must be.
             dx, dw, db = kernels.sebp_gemms(
                 dy, weight, x, *plan.rows("triton"), dy.dtype,
                 compacted=False, bias_dtype=bias_dtype if fused_db else None, traceable=traceable,
-                dx_slots=dx_slots, zeroed_counters=None if traceable else plan.zeroed_counters,
+                dx_slots=dx_slots,
             )
         if need_b and not fused_db:
             db = _planned_bias_grad(dy, plan, bias_dtype)

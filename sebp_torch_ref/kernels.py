@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable
 
 import torch
 import triton
@@ -823,7 +822,6 @@ def sebp_gemms(
     config: dict | None = None,
     traceable: bool = False,
     dx_slots: bool = False,
-    zeroed_counters: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dX = (dY * keep[:, None]) @ W`` (dropped rows zero), ``dW = (dY * keep[:, None])^T @ X``
     (a sum over the kept rows only) and, with ``bias_dtype``, ``db = sum(dY * keep[:, None])``,
@@ -850,9 +848,6 @@ def sebp_gemms(
             ``pos`` a kept row's place in ``perm`` and ``M`` for a dropped row, is dX; a compiled
             graph fuses that gather into dX's consumers, so the dropped rows' zeros are neither
             written nor read back (the JAX backward's "v21", ``benchmarks/NOTES.md``).
-        zeroed_counters: where dW is split over rows, ``n -> (n,)`` int32 zeros for the launch's
-            counters, used by it alone (a row plan's :meth:`~sebp_torch_ref.RowPlan.zeroed_counters`:
-            no memset launch of its own); ``None``: allocated and zeroed here.
 
     Returns:
         ``dX`` ``(M, K)`` (``dx_slots``: ``(M + 1, K)``) in ``dy``'s dtype, ``dW`` ``(N, K)`` in
@@ -878,8 +873,7 @@ def sebp_gemms(
     partial = counters = db_partial = count
     if plan.split > 1:  # dX's tile counter (DX_STEAL needs a split), each dW tile's count of
         # arrived slices after it, and the slices' float32 partial sums
-        counters = (torch.zeros(1 + plan.dw_tiles, dtype=torch.int32, device=device)
-                    if zeroed_counters is None else zeroed_counters(1 + plan.dw_tiles))
+        counters = torch.zeros(1 + plan.dw_tiles, dtype=torch.int32, device=device)
         partial = torch.empty((plan.split, N, K), dtype=torch.float32, device=device)
         if db is not None:
             db_partial = torch.empty((plan.split, N), dtype=torch.float32, device=device)

@@ -12,10 +12,6 @@ over the kept rows by the GEMM launch that loads them: no second read of ``dY``)
 whenever every row outside the mask is zero in ``dY`` (padding that attention and the loss
 ignore); a superset of the non-zero rows is still exact. ``check=True`` reads ``dY`` in every planned layer
 and raises an error naming the layer when a row outside the mask is non-zero or non-finite.
-
-The plan is also the step's arena of zeroed launch counters (:meth:`RowPlan.zeroed_counters`):
-eagerly a planned layer's backward is one GEMM launch, and zeroing its counters by a memset of its
-own would be a second launch, whose host time an eager step of short sequences waits on.
 """
 
 from __future__ import annotations
@@ -28,10 +24,6 @@ from .policy import RowPolicy, active_first_permutation, keep_mask
 from .traced_state import TracedContextVar
 
 __all__ = ["RowPlan", "row_plan"]
-
-_COUNTERS_CHUNK = 16384  # int32 zeros per arena chunk: one memset serves a BERT-base step's layers
-_COUNTERS_ALIGN = 4  # int32 per 16 bytes: each slice starts where Triton's pointer specialisation
-#                      (16-byte alignment) expects, so every slice specialises the kernel alike
 
 # The active plan, read by traced code too (see sebp_torch_ref.traced_state).
 _ROW_PLAN = TracedContextVar("sebp_row_plan", default=None)
@@ -53,9 +45,6 @@ class RowPlan:
         self.check = check
         # (perm, count) as rows() makes them; given where a compiled graph has made them already.
         self._rows = rows
-        self._counters: torch.Tensor | None = None  # the arena's current chunk,
-        self._counters_stream = None  # the stream it was zeroed on (CUDA),
-        self._counters_used = 0  # and how much of it is handed out
 
     def applies_to(self, x: torch.Tensor) -> bool:
         """Whether the plan describes the rows of a layer input ``x`` of shape ``(..., K)``."""
@@ -79,26 +68,6 @@ class RowPlan:
             else:
                 self._rows = active_first_permutation(keep)
         return self._rows
-
-    def zeroed_counters(self, n: int) -> torch.Tensor:
-        """``n`` int32 zeros on the mask's device for the counters of one launch: a slice of a
-        chunk zeroed once, never handed out twice. A chunk serves the stream it was zeroed on (a
-        launch on another stream starts a new one, zeroed on its own stream, so the memset is
-        ordered before the launch). Under CUDA graph capture every call gets zeros of its own: the
-        graph then re-zeroes them at each replay, which a chunk zeroed outside it would not."""
-        device = self.mask.device
-        stream = None
-        if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return torch.zeros(n, dtype=torch.int32, device=device)
-            stream = torch.cuda.current_stream(device)
-        start = -(-self._counters_used // _COUNTERS_ALIGN) * _COUNTERS_ALIGN
-        if self._counters is None or start + n > self._counters.numel() or stream != self._counters_stream:
-            self._counters = torch.zeros(max(n, _COUNTERS_CHUNK), dtype=torch.int32, device=device)
-            self._counters_stream = stream
-            start = 0
-        self._counters_used = start + n
-        return self._counters[start:start + n]
 
     def check_covers(self, dy: torch.Tensor, layer: str) -> None:
         """Raises ``ValueError`` naming ``layer`` if a row of ``dy (M, N)`` outside the mask is
