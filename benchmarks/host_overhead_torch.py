@@ -15,9 +15,10 @@ Per path, with ``backward()`` run as autograd runs it by default (column ``backw
 ``worker``, the GPU's nodes handed to autograd's worker thread for the device) and on the calling
 thread (``caller``, under ``torch.autograd.set_multithreading_enabled(False)``): **host µs per
 layer** of the forward and of the backward, ``perf_counter`` around the calls that issue the work,
-with no synchronisation inside (the host's cost of issuing the launches); and **GPU µs per layer** of the backward, CUDA events around a backward issued while
-the GPU is held by a sleep kernel, so that the launches queue up first and the events time the
-kernels back to back, without the host's gaps. Where host µs exceed GPU µs, an eager step waits on
+with no synchronisation inside (the host's cost of issuing the launches); and **GPU µs per
+layer** of the backward, CUDA events around a backward issued while the GPU is held by a sleep
+kernel, so that the launches queue up first and the events time the kernels back to back,
+without the host's gaps. Where host µs exceed GPU µs, an eager step waits on
 Python, not on the GPU. ``--profile`` writes a cProfile top-20 (by own time) of the Triton path's
 host work: the layers' :func:`sebp_torch_ref.kernels.sebp_grads` calls replayed on the main
 thread (the autograd engine runs CUDA backward functions on its own thread, which cProfile does

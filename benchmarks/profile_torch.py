@@ -29,8 +29,8 @@ from typing import Sequence
 
 from benchmarks.profile_step import markdown_report, variant_entry
 from benchmarks.workloads import (
-  VARIANTS, Settings, Variant, library_versions, torch_dense_steps, torch_forward_context,
-  torch_variant_model, workload_batches,
+  VARIANTS, Settings, Variant, library_versions, torch_backward, torch_dense_steps,
+  torch_forward_context, torch_variant_model, workload_batches,
 )
 
 __all__ = ["profile_variant"]
@@ -65,8 +65,7 @@ def profile_variant(spec, variant: Variant, batches: Sequence[dict], dense_steps
   def call(batch, dense):
     with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
-    with torch.autograd.set_multithreading_enabled(not variant.caller_thread):
-      loss.backward()
+    torch_backward(variant, loss)
     for p in model.parameters():
       p.grad = None
 

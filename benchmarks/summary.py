@@ -3,9 +3,8 @@
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
 the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
 own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-caller-thread`` /
-``torch-dense-graphed`` /
-``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the caller-thread / graphed /
-compiled / compiled and graphed torch variants), the way to its own framework's bound
+``torch-dense-graphed`` / ``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the
+caller-thread / graphed / compiled / compiled and graphed torch variants), the way to its own framework's bound
 ``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound`` or the
 torch bound of the same suffix), and
 peak memory against its own dense; and, for the ``full_length`` workload, the step time as a

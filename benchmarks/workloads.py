@@ -125,7 +125,7 @@ __all__ = [
   "weight_kernel", "Settings", "random_params", "workload_batches", "jax_loss_and_grad",
   "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
   "prepared_workload", "TORCH_CROSSOVER",
-  "torch_variant_model", "torch_dense_steps", "torch_forward_context",
+  "torch_variant_model", "torch_dense_steps", "torch_forward_context", "torch_backward",
   "speedups", "markdown_table", "write_results", "main",
 ]
 
@@ -262,8 +262,8 @@ class Variant:
   patching) under ``torch.compile`` in its default mode; each SEBP layer is an op in the
   one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break); with ``graphed``, the
   compiled step is what the CUDA graphs record. ``caller_thread``: the eager torch step's
-  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)``. ``layers``: ``"dense"``, the model as
-  :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
+  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)`` (:func:`torch_backward`).
+  ``layers``: ``"dense"``, the model as :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
   does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
   same variant without them in the same run. ``launch``: attributes of the framework's kernel
@@ -796,22 +796,28 @@ def torch_forward_context(variant: Variant, batch: dict, dense: bool) -> context
   return context
 
 
+def torch_backward(variant: Variant, loss) -> None:
+  """``loss.backward()`` as a torch variant's step runs it: ``caller_thread`` variants on the
+  calling thread (autograd's worker threads off), the others as autograd does by default."""
+  import torch
+
+  with torch.autograd.set_multithreading_enabled(not variant.caller_thread):
+    loss.backward()
+
+
 def _torch_marks(model, optimizer, clock: _TorchClock, variant: Variant, batches: Sequence[dict],
                  dense_steps: Sequence[bool]) -> list[tuple]:
   """Runs one training step per batch; returns its (start, forward done, backward done, end).
 
   ``dense_steps``: per batch, whether its forward records the dense backward (decided on the
   host: no device read); see :func:`torch_forward_context`."""
-  import torch
-
   marks = []
   for batch, dense in zip(batches, dense_steps):
     t0 = clock.mark()
     with torch_forward_context(variant, batch, dense):
       loss = model(**batch).loss
     t1 = clock.mark()
-    with torch.autograd.set_multithreading_enabled(not variant.caller_thread):
-      loss.backward()
+    torch_backward(variant, loss)
     t2 = clock.mark()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
