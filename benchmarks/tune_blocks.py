@@ -61,6 +61,10 @@ CANDIDATES = {
   # fit), each looping over tiles: a tile's stores drain while the program loads the next
   # tile's rows, instead of a new program's launch and first loads (benchmarks/NOTES.md, "v13":
   # 1,536 programs store LLaMA b1 up's 50 MB dW at 1.8 TB/s).
+  # dW's tail tiles (with_dw_split) split one part per this many row blocks of kept rows (the
+  # table's 8 and either side of it): more parts fill the SMs sooner, each adds a partial tile.
+  "dw_min_part4": _Config(dw_min_part=4),
+  "dw_min_part16": _Config(dw_min_part=16),
   "dw_p264": _Config(dw_programs=264),
   "dw_p396_s2_w4": _Config(dw_programs=396, dw_stages=2, dw_warps=4),
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs

@@ -63,8 +63,10 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
   assert_close(dw, want_dw, x.dtype, what="dw")
 
 
-# dw_split=3: the 1..5 row blocks of dW are shared unevenly by three programs, some with none,
-# and 2 persistent programs per part loop over its 6 tiles (3 x 2); with it, 4 persistent dX
+# dw_split=3: the 1..5 row blocks of each of dW's 6 tiles (3 x 2) are shared unevenly by up to
+# three programs (one per row block: dw_min_part=1), some with none, the last to finish summing
+# their partial tiles; with dw_slots=4, only the 2 tiles past the first 4 are split and 2
+# persistent programs loop over those 4 (2 tiles each); with it, 4 persistent dX
 # programs loop over up to 15 tiles (5 row blocks of 16 x 3 column blocks of 16 once K is
 # padded to 48), up to 4 each. The dX splits (N = 60 padded to 64: 4 steps
 # of 16, the last with real columns, so that a missing last part shows):
@@ -73,13 +75,15 @@ def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=Fa
 # * 3 parts at most, to occupy 12 programs: counts up to 16 run 3 parts (2, 2 and 0 steps: an
 #   empty share), up to 32 run 2, past that 1, each of the 12 programs then looping over tiles.
 # compact=False: no gather, the GEMMs read the kept rows in place and mask the positions past
-# count (with dW split, and with the first dX split). fused: both GEMMs in one launch, 4
-# persistent dX programs first, then dW's 2 x 5 (split, persistent over 6 tiles), on the rows
-# read in place and on the compacted ones.
+# count (with every dW tile split in two, one part per 2 row blocks). fused: both GEMMs in one
+# launch, 4 persistent dX programs first, then dW's (4 whole tiles on 3 persistent programs, 2
+# tiles split in two), on the rows read in place and on the compacted ones.
 DX_SPLIT = dict(dx_split=4, dx_programs=24)
-FUSED = dict(fused=True, dx_programs=4, dw_split=2, dw_programs=5)
-SPLITS = [dict(dw_split=1), dict(dw_split=3, dx_programs=4, dw_programs=2), DX_SPLIT,
-          dict(dx_split=3, dx_programs=12), dict(compact=False, dw_split=2, dw_programs=5),
+DW_SPLIT = dict(dw_split=3, dw_slots=4, dw_min_part=1, dx_programs=4, dw_programs=2)
+FUSED = dict(fused=True, dx_programs=4, dw_split=2, dw_slots=4, dw_min_part=1, dw_programs=3)
+SPLITS = [dict(dw_split=1), DW_SPLIT, DX_SPLIT,
+          dict(dx_split=3, dx_programs=12, dw_split=3, dw_min_part=1),
+          dict(compact=False, dw_split=2, dw_min_part=2),
           dict(compact=False, **DX_SPLIT), dict(compact=False, **FUSED), FUSED]
 
 
@@ -186,9 +190,10 @@ def test_dropped_rows_that_are_not_zero(interpret, policy, split):
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("split", [{}, DX_SPLIT], ids=["plain", "dx_split"])
+@pytest.mark.parametrize("split", [{}, DX_SPLIT, DW_SPLIT], ids=["plain", "dx_split", "dw_split"])
 def test_nonfinite_rows_reach_dx_and_dw(interpret, split):
-  # 7 kept rows, two of them non-finite: with the split, their dX rows are sums of 2 partial tiles.
+  # 7 kept rows, two of them non-finite: with the dX split, their dX rows are sums of 2 partial
+  # tiles; with the dW split, dW's tail tiles sums of a part that holds them and one that does not.
   rng = np.random.default_rng(3)
   x, kernel, dy = _case(rng, 40, 17, 20, np.arange(5), jnp.float32)
   dy = dy.at[30, 3].set(jnp.nan).at[12, 0].set(-jnp.inf)
@@ -296,7 +301,7 @@ def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out
 @pytest.mark.parametrize("in_features,out_features,dw_k,dw_split", [
   (768, 768, 64, 1),  # BERT-base q/k/v/o ("small"): 72 dW tiles, unsplit
   (384, 1536, 64, 1),  # MiniLM's FFN, as small a weight
-  (768, 3072, 128, 1),  # BERT-base FFN ("narrow"): 144 tiles of 128 x 128
+  (768, 3072, 128, 8),  # BERT-base FFN ("narrow"): 144 tiles of 128 x 128, the 12 past 132 split
   (768, 1408, 128, 2),  # just past the small class: 66 tiles of 128 x 128, split 2
 ])
 def test_small_weights_take_64_wide_dw_tiles_unsplit_on_hopper(monkeypatch, in_features,
@@ -319,13 +324,20 @@ def test_vocabulary_wide_layers_split_their_dx_on_hopper(monkeypatch, out_featur
   assert pallas_backend._dx_launch(4096, 3072, out_features // config.dx_n, config) == launch
 
 
-@pytest.mark.parametrize("sms,tiles,split", [(None, 36, 1), (132, 36, 3), (132, 144, 1),
-                                             (132, 4, 4)])
-def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split):
+@pytest.mark.parametrize("sms,tiles,split,tail", [
+  (None, 36, 1, 0),  # off GPU: unchanged
+  (132, 36, 3, 36),  # fewer tiles than SMs: every tile split
+  (132, 144, 8, 12),  # a second wave of 12 tiles: those split, as far as _MAX_DW_SPLIT allows
+  (132, 200, 1, 0),  # a second wave of 68: 132 // 68 = 1, nothing split
+  (132, 264, 1, 0),  # two whole waves: nothing to split
+  (132, 4, 8, 4),
+])
+def test_dw_split_fills_the_gpu(monkeypatch, sms, tiles, split, tail):
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: sms)
   config = pallas_backend.block_config(4096, 128 * tiles, 128, jnp.bfloat16)
   assert config.dw_k == config.dw_n == 128
-  assert config.dw_split == split
+  assert (config.dw_split, config.dw_slots) == (split, sms or 0)
+  assert pallas_backend._dw_tail(tiles, config) == tail
 
 
 @pytest.mark.parametrize("sms,tiles,programs", [
@@ -391,10 +403,13 @@ def test_bad_launch_sizes_are_named(split):
                                    dict(compact=False, fused=True),
                                    dict(compact=False, fused=True, dw_split=3, dx_programs=3,
                                         dw_programs=5),
-                                   dict(fused=True), dict(fused=True, dw_split=3)],
+                                   dict(fused=True), dict(fused=True, dw_split=3),
+                                   dict(dw_split=3, dw_slots=4, dw_programs=3),
+                                   dict(fused=True, dw_split=3, dw_slots=4)],
                          ids=["plain", "dw_split_persistent_dx", "dx_split", "dx_split_all_rows",
                               "in_place", "in_place_dx_split", "fused_in_place",
-                              "fused_in_place_dw_split", "fused", "fused_dw_split"])
+                              "fused_in_place_dw_split", "fused", "fused_dw_split",
+                              "dw_split_tail", "fused_dw_split_tail"])
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,

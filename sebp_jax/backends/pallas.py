@@ -24,9 +24,11 @@ The plan (DESIGN §5, v5: compact first):
   ``count`` at run time to occupy the launch, and a reduction kernel sums their float32 partial
   tiles into ``dx`` in place (``input_output_aliases``);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
-  count ``cdiv(count, dw_m)``; where the output tiles are fewer than the GPU's SMs, ``dw_split``
-  programs share a tile's rows and XLA sums their float32 partial tiles; ``dw_programs`` (opt-in)
-  makes it persistent, each program looping over tiles;
+  count ``cdiv(count, dw_m)``. The tiles of a last wave that would leave most SMs idle (all of
+  them where the tiles are fewer than the SMs) are split over rows: up to ``dw_split`` programs
+  share such a tile, as many as ``count`` gives ``dw_min_part`` row blocks each, and the last to
+  arrive sums their float32 partial tiles (split-K with a stream-K fix-up, no second launch);
+  ``dw_programs`` (opt-in) makes the whole tiles' programs persistent;
 * **crossover**: above a measured fraction of kept rows ``lax.cond`` runs the dense backward.
 
 Both GEMMs walk their tiles in grouped order (``dx_group`` / ``dw_group`` row blocks at a time,
@@ -64,8 +66,11 @@ class BlockConfig:
 
   ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
-  of ``dw_m``; ``dw_split`` programs share each tile's rows (split-K over rows), their float32
-  partial tiles summed afterwards. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
+  of ``dw_m``; up to ``dw_split`` programs share the rows of each tile of the *tail* (split-K
+  over rows): past ``dw_slots`` tiles (the dW programs the GPU runs at once; ``0``: unknown) the
+  tiles of the last, partial wave, else every tile. How many share it is decided at run time:
+  one per ``dw_min_part`` row blocks of kept rows, at most ``dw_split``; the last part to finish
+  sums their float32 partial tiles in the kernel. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
   the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
   GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
   chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
@@ -77,8 +82,8 @@ class BlockConfig:
 
   ``dx_programs``: the programs of the (persistent) dX launch, each looping over live tiles;
   ``0`` is one per tile, :func:`with_dx_programs` sizes it for a GPU (its SMs times the
-  programs one SM holds). ``dw_programs``: likewise for each part of the dW launch, looping over
-  its tiles (``0``, the default everywhere: one program per tile).
+  programs one SM holds). ``dw_programs``: likewise for the dW tiles that are not split, each
+  program looping over them (``0``, the default everywhere: one program per tile).
 
   The dX split (off at ``dx_split == 1``): with few kept rows only ``cdiv(count, dx_m) * K /
   dx_k`` dX tiles have work, fewer than the programs, and each streams its whole loop over ``N``
@@ -102,6 +107,8 @@ class BlockConfig:
   dw_stages: int = 3
   dw_group: int = 8
   dw_split: int = 1
+  dw_slots: int = 0
+  dw_min_part: int = 8
   dx_split: int = 1
   dx_programs: int = 0
   dw_programs: int = 0
@@ -161,9 +168,12 @@ _IN_PLACE_COLUMNS = 16384
 _DEFAULT_CONFIG = BlockConfig()
 # Triton's dot needs every operand dim to be at least 16.
 _MIN_BLOCK = 16
-# The most programs :func:`block_config` lets share one dW tile. Each adds a float32 partial tile
-# to write and sum; past 4 that pass costs more than the idle SMs it fills.
-_MAX_DW_SPLIT = 4
+# The most programs :func:`with_dw_split` lets share one dW tile. Each part stores a float32
+# partial tile that the last part reads back; while XLA summed every part's whole partial dW in
+# a pass of its own, past 4 parts that pass cost more than the idle SMs they filled (v9). The
+# fix-up in the kernel reads only the tail's tiles, and only where `count` gives each part
+# `dw_min_part` row blocks: BERT-base's FFN (144 tiles on 132 SMs) splits its 12 tail tiles 8 ways.
+_MAX_DW_SPLIT = 8
 # Shared memory one Hopper SM gives its programs (227 KB of its 228).
 _SHARED_MEMORY = 227 * 1024
 
@@ -205,8 +215,8 @@ def block_config(num_rows: int, in_features: int, out_features: int, dtype) -> B
   """Tile sizes for an ``(M, K) x (K, N)`` layer: the table's entry for this GPU, dtype and
   weight size, shrunk to small shapes.
 
-  A dW grid of fewer tiles than the GPU has SMs (BERT-base's 768 x 768 projections: 36 tiles on
-  132 SMs) splits each tile's rows over up to :data:`_MAX_DW_SPLIT` programs.
+  dW's tiles of a last, partial wave (all of them where they are fewer than the GPU's SMs) are
+  split over rows by up to :data:`_MAX_DW_SPLIT` programs (:func:`with_dw_split`).
   """
   if out_features >= _IN_PLACE_COLUMNS:
     shape_class = "vocab"
@@ -237,12 +247,18 @@ def sized_for_gpu(config: BlockConfig, in_features: int, out_features: int,
 
 
 def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
-  """``config`` with ``dw_split`` filling this GPU's SMs with dW programs (unchanged off GPU)."""
+  """``config`` with ``dw_slots`` this GPU's SMs (one dW program each: the table's dW tiles hold
+  ~150 registers a thread at 8 warps, benchmarks/NOTES.md "Launch resources") and ``dw_split``
+  filling them with the parts of the tail's tiles (:func:`_dw_tail`): BERT-base's FFN, 144
+  tiles, runs 132 whole and its last 12 in 8 parts each, instead of a second wave of 12
+  programs on 132 SMs. Unchanged off GPU."""
   sms = _sm_count()
   if not sms:
     return config
   tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
-  return dataclasses.replace(config, dw_split=max(1, min(_MAX_DW_SPLIT, sms // tiles)))
+  tail = tiles % sms if tiles > sms else tiles
+  split = max(1, min(_MAX_DW_SPLIT, sms // tail)) if tail else 1
+  return dataclasses.replace(config, dw_split=split, dw_slots=sms)
 
 
 def with_dx_programs(config: BlockConfig, dtype) -> BlockConfig:
@@ -597,27 +613,45 @@ def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: 
     dx_ref[kept, cols] = total.astype(dx_ref.dtype)
 
 
-def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
+def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, programs: int,
-               split: int, precision, compact: bool = True, program=None, part=None):
-  """``(block_k, block_n)`` tiles of ``dw``, each summed over the kept rows only (over this
-  program's share of them when ``split > 1``: a partial tile at ``dw[part]``): tiles
-  ``program, program + programs, ...`` in grouped order (one tile each when ``programs`` is the
-  tile count). ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not
-  ``compact``. ``program``, ``part``: this program's place in the launch's ``(programs, split)``
-  grid (default: its program ids; :func:`_grads_kernel` passes them)."""
+               whole_tiles: int, split: int, min_part: int, precision, barrier: bool,
+               compact: bool = True, program=None):
+  """One program of the dW GEMM: ``(block_k, block_n)`` tiles of ``dw``, each summed over the
+  kept rows only, tiles numbered in grouped order.
+
+  The launch's first ``programs`` programs compute the first ``whole_tiles`` tiles whole (tiles
+  ``program, program + programs, ...``: one each when ``programs`` is that count). The other
+  tiles, the *tail* (fewer than the GPU runs at once: the part of the last wave that would
+  leave most SMs idle), have ``split`` programs each, part-major after them: ``parts`` of them,
+  chosen at run time from ``count`` (at least ``min_part`` row blocks each, at most ``split``),
+  share the tile's rows, and the rest return at once. A lone part stores its tile; otherwise
+  each stores its float32 partial tile and counts its arrival on the tile (an atomic on a
+  zeroed counter), and the last to arrive sums the parts in part order (so the result does not
+  depend on which part that is) and stores the tile: no second launch, as stream-K GEMMs fix up
+  their split tiles.
+
+  ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not ``compact``.
+  ``refs``: ``dw``; with ``split > 1`` first the arrival counters as passed in, then ``dw``, the
+  counters (aliased) and the partial tiles ``(split, tail tiles, block_k, block_n)``.
+  ``barrier``: order every thread's partial store before the arrival (off in the interpreter,
+  which runs one program at a time and has no barrier). ``program``: this program's number among
+  the launch's dW programs (default: its program id; :func:`_grads_kernel` passes it).
+  """
+  if split > 1:
+    _, dw_ref, arrivals_ref, partials_ref = refs
+  else:
+    (dw_ref,) = refs
   k_blocks, n_blocks = xc_ref.shape[1] // block_k, dyc_ref.shape[1] // block_n
+  tail_tiles = k_blocks * n_blocks - whole_tiles
   count = count_ref[0]
-  # Runtime trip count: the cost follows the kept rows, not the padded length. Part `part`
-  # takes the `part`-th of `split` contiguous runs of row blocks.
-  if part is None:
-    part = pl.program_id(1)  # read here: the interpreter has no program_id inside a loop body
-  first, steps = _split_share(pl.cdiv(count, block_m), split, part)
+  blocks = pl.cdiv(count, block_m)  # runtime trip count: the cost follows the kept rows
   if program is None:
     program = pl.program_id(0)
 
-  def tile(i, carry):
-    k_block, n_block = _grouped_tile(program + i * programs, k_blocks, n_blocks, group)
+  def product(tile, first, steps):
+    """The tile's sum over row blocks ``first .. first + steps - 1``, and where it goes."""
+    k_block, n_block = _grouped_tile(tile, k_blocks, n_blocks, group)
     k_span = pl.ds(k_block * block_k, block_k)
     n_span = pl.ds(n_block * block_n, block_n)
 
@@ -627,26 +661,69 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, dw_ref, *,
                                    precision=precision, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((block_k, block_n), jnp.float32))
-    if split == 1:
-      dw_ref[k_span, n_span] = acc.astype(dw_ref.dtype)
-    else:
-      dw_ref[part, k_span, n_span] = acc
+    return acc, (k_span, n_span)
+
+  def whole_tile(i, carry):
+    acc, span = product(program + i * programs, 0, blocks)
+    dw_ref[span] = acc.astype(dw_ref.dtype)
     return carry
 
-  if programs == k_blocks * n_blocks:  # one tile per program: no loop around it at all
-    tile(0, None)
+  def tail_part():
+    index = program - programs
+    tail, part = index % tail_tiles, index // tail_tiles
+    parts = jnp.minimum(jnp.maximum(blocks // min_part, 1), split)
+
+    @pl.when(part < parts)
+    def _():
+      first, steps = _split_share(blocks, parts, part)
+      acc, span = product(whole_tiles + tail, first, steps)
+
+      @pl.when(parts == 1)
+      def _():
+        dw_ref[span] = acc.astype(dw_ref.dtype)
+
+      @pl.when(parts > 1)
+      def _():
+        partials_ref[part, tail] = acc
+        if barrier:  # every thread's partial stored before the (one-thread) arrival releases it
+          pl_triton.debug_barrier()
+        arrived = pl_triton.atomic_add(arrivals_ref, (tail,), jnp.int32(1))
+
+        @pl.when(arrived == parts - 1)
+        def _():
+          # Volatile: read where the other parts' stores are (L2), never a copy in this SM's L1.
+          total = lax.fori_loop(
+            0, parts, lambda p, total: total + pl_triton.load(partials_ref.at[p, tail],
+                                                              volatile=True),
+            jnp.zeros((block_k, block_n), jnp.float32))
+          dw_ref[span] = total.astype(dw_ref.dtype)
+
+  def program_whole_tiles():
+    if programs == whole_tiles:  # one tile per program: no loop around it at all
+      whole_tile(0, None)
+    else:
+      lax.fori_loop(0, pl.cdiv(whole_tiles - program, programs), whole_tile, jnp.int32(0))
+
+  if not tail_tiles:
+    program_whole_tiles()
+  elif not whole_tiles:
+    tail_part()
   else:
-    lax.fori_loop(0, pl.cdiv(k_blocks * n_blocks - program, programs), tile, jnp.int32(0))
+    pl.when(program < programs)(program_whole_tiles)
+    pl.when(program >= programs)(tail_part)
 
 
 def _grads_kernel(count_ref, perm_ref, dy_ref, kernel_ref, x_ref, *refs, dx_programs: int,
-                  dw_programs: int, dx_body, dw_body, dw_nk: bool):
+                  dx_body, dw_body, dw_nk: bool, accumulate: bool, dw_tail: bool):
   """Both GEMMs in one launch: programs ``0 .. dx_programs - 1`` run ``dx_body`` (a
-  :func:`_dx_kernel`), the ``dw_programs * split`` after them ``dw_body`` (a :func:`_dw_kernel`,
-  part-major), each reading the kept rows of ``dy`` and ``x`` as its body does (compacted or in
-  place). ``refs``: ``dx_body``'s output refs (an accumulator first where it accumulates, then
-  ``dx``), then ``dw``. ``dw_nk``: dW in the ``(N, K)`` layout, its GEMM's operands swapped."""
-  *dx_refs, dw_ref = refs
+  :func:`_dx_kernel`), the programs after them ``dw_body`` (a :func:`_dw_kernel`), each reading
+  the kept rows of ``dy`` and ``x`` as its body does (compacted or in place). ``refs``: the
+  inputs after ``x`` (dX's accumulator with ``accumulate``, dW's arrival counters where it
+  splits a tail: ``dw_tail``), then the outputs: ``dx``, ``dw`` and, with a tail, dW's counters and
+  partial tiles. ``dw_nk``: dW in the ``(N, K)`` layout, its GEMM's operands swapped."""
+  inputs, (dx_ref, *dw_refs) = refs[:accumulate + dw_tail], refs[accumulate + dw_tail:]
+  dx_refs = (*inputs[:accumulate], dx_ref)
+  dw_refs = (*inputs[accumulate:], *dw_refs)
   program = pl.program_id(0)
 
   @pl.when(program < dx_programs)
@@ -655,10 +732,8 @@ def _grads_kernel(count_ref, perm_ref, dy_ref, kernel_ref, x_ref, *refs, dx_prog
 
   @pl.when(program >= dx_programs)
   def _():
-    dw_program = program - dx_programs
     lhs, rhs = (dy_ref, x_ref) if dw_nk else (x_ref, dy_ref)
-    dw_body(count_ref, perm_ref, lhs, rhs, dw_ref, program=dw_program % dw_programs,
-            part=dw_program // dw_programs)
+    dw_body(count_ref, perm_ref, lhs, rhs, *dw_refs, program=program - dx_programs)
 
 
 def _dx_launch(num_rows: int, in_features: int, out_steps: int,
@@ -748,7 +823,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
 
 def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False) -> jax.Array:
-  """``dw = xᵀ @ (dy * keep)`` over the kept rows only.
+  """``dw = xᵀ @ (dy * keep)`` over the kept rows only, in one launch (``sebp_dw``).
 
   Args:
     xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`), or ``x`` itself when
@@ -759,32 +834,67 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(K, N)`` in ``xc.dtype``.
   """
-  programs, split, body, out_shape = _dw_plan(xc, dyc, config, precision)
-  dw = _launch(body, out_shape, grid=(programs, split), warps=config.dw_warps,
-               stages=config.dw_stages, interpret=interpret, name="sebp_dw")(count, perm, xc, dyc)
-  return _summed_dw(dw, xc.dtype)
+  launch = _dw_plan(xc, dyc, config, precision, interpret)
+  outputs = _launch(launch.body, launch.out_shape, grid=(launch.programs,), warps=config.dw_warps,
+                    stages=config.dw_stages, interpret=interpret, name="sebp_dw",
+                    input_output_aliases={4: 1} if launch.arrivals is not None else None)(
+    count, perm, xc, dyc, *launch.operands)
+  return outputs[0]
 
 
-def _dw_plan(xc, dyc, config: BlockConfig, precision):
-  """``(programs, split, body, out_shape)`` of the dW GEMM (:func:`dw_pallas`): with
-  ``dw_split > 1`` its output is the float32 partial tiles, ``(split, K, N)``."""
+@dataclasses.dataclass(frozen=True)
+class _DwLaunch:
+  """The dW GEMM's part of a launch (:func:`_dw_plan`): its ``programs``, its ``body`` (a
+  :func:`_dw_kernel`), the shapes of its outputs (``dw``; with a split tail also the arrival
+  counters and the partial tiles) and ``arrivals``, the zeroed counters it takes as an input
+  (aliased to its second output) where it splits a tail, else ``None``."""
+
+  programs: int
+  body: object
+  out_shape: tuple
+  arrivals: jax.Array | None
+
+  @property
+  def operands(self) -> tuple:
+    return () if self.arrivals is None else (self.arrivals,)
+
+
+def _dw_tail(tiles: int, config: BlockConfig) -> int:
+  """dW tiles that ``config`` splits over rows: none unsplit; past ``dw_slots`` (the programs
+  that run at once) the last wave's tiles, which would leave most of the GPU idle; else all."""
+  if config.dw_split == 1:
+    return 0
+  if config.dw_slots and tiles > config.dw_slots:
+    return tiles % config.dw_slots
+  return tiles
+
+
+def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLaunch:
+  """The dW GEMM's launch (:func:`dw_pallas`): ``dw_programs`` (or one per tile) over the whole
+  tiles, then ``dw_split`` programs per tail tile (:func:`_dw_tail`)."""
   in_features, out_features = xc.shape[1], dyc.shape[1]
-  split = config.dw_split
+  for name in ("dw_split", "dw_min_part"):
+    if getattr(config, name) < 1:
+      raise ValueError(f"`{name}` must be >= 1, got {getattr(config, name)}")
   if config.dw_programs < 0:
     raise ValueError(f"`dw_programs` must be >= 0 (0: one per tile), got {config.dw_programs}")
   tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
-  programs = min(config.dw_programs or tiles, tiles)
+  tail = _dw_tail(tiles, config)
+  whole = tiles - tail
+  programs = min(config.dw_programs or whole, whole)
+  split = config.dw_split if tail else 1
   body = functools.partial(_dw_kernel, block_m=config.dw_m, block_k=config.dw_k,
                            block_n=config.dw_n, group=config.dw_group, programs=programs,
-                           split=split, precision=precision, compact=config.compact)
-  out_shape = ((in_features, out_features), xc.dtype) if split == 1 else (
-    (split, in_features, out_features), jnp.float32)
-  return programs, split, body, jax.ShapeDtypeStruct(*out_shape)
-
-
-def _summed_dw(dw, dtype):
-  """The dW launch's output as ``dw``: its partial tiles summed where it split (by XLA)."""
-  return dw if dw.ndim == 2 else dw.sum(axis=0).astype(dtype)
+                           whole_tiles=whole, split=split, min_part=config.dw_min_part,
+                           precision=precision, barrier=not interpret, compact=config.compact)
+  dw_shape = jax.ShapeDtypeStruct((in_features, out_features), xc.dtype)
+  if not tail:
+    return _DwLaunch(programs, body, (dw_shape,), None)
+  return _DwLaunch(
+    programs + tail * split, body,
+    (dw_shape, jax.ShapeDtypeStruct((tail,), jnp.int32),
+     jax.ShapeDtypeStruct((split, tail, config.dw_k, config.dw_n), jnp.float32)),
+    jnp.zeros((tail,), jnp.int32))
 
 
 def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config: BlockConfig,
@@ -799,16 +909,20 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
                                                   accumulator, zero_rows)
   lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
-  dw_programs, dw_split, dw_body, dw_shape = _dw_plan(lhs, rhs, dw_config, precision)
-  body = functools.partial(_grads_kernel, dx_programs=dx_programs, dw_programs=dw_programs,
-                           dx_body=dx_body, dw_body=dw_body, dw_nk=kernel_nk)
-  operands = (count, perm, dyc, kernel, xc) + (() if accumulator is None else (accumulator,))
-  dx, dw = _launch(body, (dx_shape, dw_shape), grid=(dx_programs + dw_programs * dw_split,),
-                   warps=max(config.dx_warps, config.dw_warps),
-                   stages=max(config.dx_stages, config.dw_stages), interpret=interpret,
-                   name="sebp_grads",
-                   input_output_aliases=None if accumulator is None else {5: 0})(*operands)
-  return dx, _summed_dw(dw, xc.dtype)
+  dw = _dw_plan(lhs, rhs, dw_config, precision, interpret)
+  accumulate = accumulator is not None
+  body = functools.partial(_grads_kernel, dx_programs=dx_programs, dx_body=dx_body,
+                           dw_body=dw.body, dw_nk=kernel_nk, accumulate=accumulate,
+                           dw_tail=dw.arrivals is not None)
+  operands = (count, perm, dyc, kernel, xc) + ((accumulator,) if accumulate else ()) + dw.operands
+  aliases = {5: 0} if accumulate else {}
+  if dw.arrivals is not None:
+    aliases[5 + accumulate] = 2
+  outputs = _launch(body, (dx_shape, *dw.out_shape), grid=(dx_programs + dw.programs,),
+                    warps=max(config.dx_warps, config.dw_warps),
+                    stages=max(config.dx_stages, config.dw_stages), interpret=interpret,
+                    name="sebp_grads", input_output_aliases=aliases)(*operands)
+  return outputs[0], outputs[1]
 
 
 def _in_features(x, kernel, kernel_nk: bool) -> int:
