@@ -46,6 +46,10 @@ CANDIDATES = {
   # resources"): BERT FFN's 144 tiles run in 1.09 waves; a 64-wide tile fits three per SM (78
   # registers) and 288 programs run in 0.73 waves.
   "dw_k64": _Config(dw_k=64),
+  # The 64-wide tile counted as the three programs per SM its registers allow (the `small` table
+  # entry since v25): BERT attn's 72 tiles then split at run time, up to 5 parts each, where
+  # dw_k64, counted as one per SM, never splits.
+  "dw_k64_3sm": _Config(dw_k=64, dw_per_sm=3),
   # ... and the default tiles unsplit (dw_split set after sizing, in _AFTER_SIZING): dw_k64's
   # gain on BERT attn at 2-12 % real tokens came with its 72 tiles leaving the split at 1, where
   # 36 tiles split 3 ways (NOTES "Launch resources measured").

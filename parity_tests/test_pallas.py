@@ -299,13 +299,13 @@ def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out
 
 
 @pytest.mark.parametrize("in_features,out_features,dw_k,dw_split", [
-  (768, 768, 64, 1),  # BERT-base q/k/v/o ("small"): 72 dW tiles, unsplit
-  (384, 1536, 64, 1),  # MiniLM's FFN, as small a weight
+  (768, 768, 64, 5),  # BERT-base q/k/v/o ("small"): 72 dW tiles, three per SM: split 5
+  (384, 1536, 64, 5),  # MiniLM's FFN, as small a weight
   (768, 3072, 128, 8),  # BERT-base FFN ("narrow"): 144 tiles of 128 x 128, the 12 past 132 split
   (768, 1408, 128, 2),  # just past the small class: 66 tiles of 128 x 128, split 2
 ])
-def test_small_weights_take_64_wide_dw_tiles_unsplit_on_hopper(monkeypatch, in_features,
-                                                               out_features, dw_k, dw_split):
+def test_dw_tiles_and_split_by_shape_class_on_hopper(monkeypatch, in_features, out_features,
+                                                     dw_k, dw_split):
   monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   config = pallas_backend.block_config(16384, in_features, out_features, jnp.bfloat16)
