@@ -46,10 +46,10 @@ CANDIDATES = {
   # resources"): BERT FFN's 144 tiles run in 1.09 waves; a 64-wide tile fits three per SM (78
   # registers) and 288 programs run in 0.73 waves.
   "dw_k64": _Config(dw_k=64),
-  # The 64-wide tile counted as the three programs per SM its registers allow (the `small` table
-  # entry since v25): BERT attn's 72 tiles then split at run time, up to 5 parts each, where
-  # dw_k64, counted as one per SM, never splits.
-  "dw_k64_3sm": _Config(dw_k=64, dw_per_sm=3),
+  # ... split at run time as if three programs per SM (its 78 registers allow it): BERT attn's 72
+  # tiles in up to 5 parts of at least 8 row blocks (dw_split and dw_slots in _AFTER_SIZING);
+  # measured as `dw_k64_3sm` in v25 (NOTES), not adopted.
+  "dw_k64_split5": _Config(dw_k=64, dw_min_part=8),
   # ... and the default tiles unsplit (dw_split set after sizing, in _AFTER_SIZING): dw_k64's
   # gain on BERT attn at 2-12 % real tokens came with its 72 tiles leaving the split at 1, where
   # 36 tiles split 3 ways (NOTES "Launch resources measured").
@@ -66,9 +66,9 @@ CANDIDATES = {
   # tile's rows, instead of a new program's launch and first loads (benchmarks/NOTES.md, "v13":
   # 1,536 programs store LLaMA b1 up's 50 MB dW at 1.8 TB/s).
   # dW's tail tiles (with_dw_split) split one part per this many row blocks of kept rows (the
-  # table's 8 and either side of it): more parts fill the SMs sooner, each adds a partial tile.
+  # table's 16 and below it): more parts fill the SMs sooner, each adds a partial tile.
   "dw_min_part4": _Config(dw_min_part=4),
-  "dw_min_part16": _Config(dw_min_part=16),
+  "dw_min_part8": _Config(dw_min_part=8),
   "dw_p264": _Config(dw_programs=264),
   "dw_p396_s2_w4": _Config(dw_programs=396, dw_stages=2, dw_warps=4),
   # Few kept rows: narrower dX column blocks spread the stream of each row block over more SMs
@@ -122,7 +122,8 @@ CANDIDATES = {
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
 # Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.
-_AFTER_SIZING = {"dw_unsplit": dict(dw_split=1)}
+_AFTER_SIZING = {"dw_unsplit": dict(dw_split=1),
+                 "dw_k64_split5": dict(dw_split=5, dw_slots=396)}
 _BASELINES = ("dense", "ideal", "xla", "selection")
 
 _DENSE_BACKWARD = sebp_backward("dense")

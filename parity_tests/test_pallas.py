@@ -299,8 +299,8 @@ def test_block_table_shape_classes_on_hopper(monkeypatch, rows, in_features, out
 
 
 @pytest.mark.parametrize("in_features,out_features,dw_k,dw_split", [
-  (768, 768, 64, 5),  # BERT-base q/k/v/o ("small"): 72 dW tiles, three per SM: split 5
-  (384, 1536, 64, 5),  # MiniLM's FFN, as small a weight
+  (768, 768, 64, 1),  # BERT-base q/k/v/o ("small"): 72 dW tiles, unsplit
+  (384, 1536, 64, 1),  # MiniLM's FFN, as small a weight
   (768, 3072, 128, 8),  # BERT-base FFN ("narrow"): 144 tiles of 128 x 128, the 12 past 132 split
   (768, 1408, 128, 2),  # just past the small class: 66 tiles of 128 x 128, split 2
 ])

@@ -70,8 +70,7 @@ class BlockConfig:
   over rows): past ``dw_slots`` tiles (the dW programs the GPU runs at once; ``0``: unknown) the
   tiles of the last, partial wave, else every tile. How many share it is decided at run time:
   one per ``dw_min_part`` row blocks of kept rows, at most ``dw_split``; the last part to finish
-  sums their float32 partial tiles in the kernel. ``dw_per_sm``: the dW programs one SM holds
-  (by registers; :func:`with_dw_split` sizes ``dw_slots`` and ``dw_split`` from it). ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
+  sums their float32 partial tiles in the kernel. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
   the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
   GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
   chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
@@ -109,8 +108,7 @@ class BlockConfig:
   dw_group: int = 8
   dw_split: int = 1
   dw_slots: int = 0
-  dw_min_part: int = 8
-  dw_per_sm: int = 1
+  dw_min_part: int = 16
   dx_split: int = 1
   dx_programs: int = 0
   dw_programs: int = 0
@@ -137,10 +135,11 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # crossover runs the dense backward (results/v29_h200/, benchmarks/NOTES.md "Launch resources
   # measured"). BERT-base b32's step: -0.17 ms of GPU time at 2.5 % real tokens, equal at 12.9 %
   # (results/v32_h200/call4/, NOTES "v23").
-  # The 64-wide tile holds 78 registers a thread at 8 warps, three programs per SM (NOTES
-  # "Launch resources"): with_dw_split counts 396 slots, so from 16 row blocks of kept rows (~6 %
-  # at 16384 rows) its 72 tiles split, up to 5 parts each.
-  ("hopper", 2, "small"): BlockConfig(dw_k=64, dw_per_sm=3),
+  # Unsplit: its 72 tiles of 78 registers fit three per SM, but split at run time (5 parts from
+  # 8 row blocks each) dW took 17.0 against 11.1 us at 12.1 % real and 19.0 against 15.8 at
+  # 18.6 %, gaining only at 46.5 % (29.8 against 46.7), where the crossover runs dense
+  # (results/v35_h200/call2/, NOTES "v25").
+  ("hopper", 2, "small"): BlockConfig(dw_k=64),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
   # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
@@ -252,20 +251,18 @@ def sized_for_gpu(config: BlockConfig, in_features: int, out_features: int,
 
 
 def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> BlockConfig:
-  """``config`` with ``dw_slots`` the dW programs this GPU runs at once (its SMs times
-  ``dw_per_sm``: one for the 128 x 128 tile, whose ~150 registers a thread at 8 warps leave room
-  for no second, benchmarks/NOTES.md "Launch resources") and ``dw_split`` filling them with the
-  parts of the tail's tiles (:func:`_dw_tail`): BERT-base's FFN, 144 tiles, runs 132 whole and
-  its last 12 in up to 8 parts each, instead of a second wave of 12 programs on 132 SMs.
-  Unchanged off GPU."""
+  """``config`` with ``dw_slots`` the dW programs this GPU runs at once, one per SM (the 128 x
+  128 tile's ~150 registers a thread at 8 warps leave room for no second, benchmarks/NOTES.md
+  "Launch resources"), and ``dw_split`` filling them with the parts of the tail's tiles
+  (:func:`_dw_tail`): BERT-base's FFN, 144 tiles, runs 132 whole and its last 12 in up to 8
+  parts each, instead of a second wave of 12 programs on 132 SMs. Unchanged off GPU."""
   sms = _sm_count()
   if not sms:
     return config
-  slots = sms * config.dw_per_sm
   tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
-  tail = tiles % slots if tiles > slots else tiles
-  split = max(1, min(_MAX_DW_SPLIT, slots // tail)) if tail else 1
-  return dataclasses.replace(config, dw_split=split, dw_slots=slots)
+  tail = tiles % sms if tiles > sms else tiles
+  split = max(1, min(_MAX_DW_SPLIT, sms // tail)) if tail else 1
+  return dataclasses.replace(config, dw_split=split, dw_slots=sms)
 
 
 def with_dx_programs(config: BlockConfig, dtype) -> BlockConfig:
