@@ -97,6 +97,10 @@ CANDIDATES = {
   "dx_split4": _Config(dx_split=4),
   "dx_split8": _Config(dx_split=8),
   "dx_split8_p132": _Config(dx_split=8, dx_programs=132),
+  # Three persistent dX programs per SM, which the default tile's 72 KB pipeline and 158
+  # registers allow (NOTES "Launch resources"; with_dx_programs sizes two): BERT FFN up at
+  # 18.6 % real has 288 live tiles, a second round for 24 of 264 programs, one round of 396.
+  "dx_p396": _Config(dx_programs=396),
   "dx_n128_s4_split4": _Config(dx_n=128, dx_stages=4, dx_split=4),
   "dx_m32_split4": _Config(dx_m=32, dx_split=4),
   # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
