@@ -3,6 +3,10 @@
 For each layer shape and active fraction: verify every configuration against the dense backward
 on the masked gradient, then time it beside the dense XLA backward and the ideal (dense matmuls on
 rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``.
+Each configuration scores ``dy`` itself (per-layer selection, the dropped rows' zeros stored by the
+dX kernel), or with ``--planned`` takes the kept rows as a row plan made beforehand, as a model
+step hands them to every layer (no selection; the dropped rows zeroed by a select, which a model
+fuses into ``dx``'s consumers and a lone layer runs as a pass of its own).
 
     python -m benchmarks.tune_blocks --shapes bert_up bert_down --out tune.json
 """
@@ -22,6 +26,7 @@ from benchmarks import profile_step
 from benchmarks.layer import ideal_backward, sebp_backward
 from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
 from benchmarks.timing import device_time_ms, environment
+from sebp_jax import row_plan
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.backends import xla as xla_backend
 from sebp_jax.policy import RowPolicy, keep_mask
@@ -176,6 +181,9 @@ def main() -> None:
   parser.add_argument("--families", action="store_true",
                       help="also trace each configuration's backward and report GPU time per "
                            "kernel family (partition, gather, dX, dW, other); GPU only")
+  parser.add_argument("--planned", action="store_true",
+                      help="hand each configuration the kept rows as a row plan made beforehand "
+                           "instead of scoring dy (the path of a model step with a plan)")
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   rows = []
@@ -183,6 +191,9 @@ def main() -> None:
     shape = LAYER_SHAPES[shape_name]
     for fraction in args.fractions:
       sets = [padded_gradient(shape, fraction, dtype, seed) for seed in range(args.reps)]
+      # The inputs of a configuration's backward: the layer's, and its row plan where planned.
+      config_sets = [(*s[:3], row_plan(jnp.any(s[2] != 0, axis=1))) if args.planned else s[:3]
+                     for s in sets]
       x, w, dy, count = sets[0]
       expected = _DENSE_BACKWARD(x, w, dy)
       keep = np.asarray(jnp.max(jnp.abs(dy), axis=1) > 0)
@@ -200,18 +211,19 @@ def main() -> None:
       families = {}
       for name in args.configs:
         config = sized_candidate(name, shape.rows, shape.in_features, shape.out_features, dtype)
-        fn = lambda x, w, dy, config=config: pallas_backend.backward(
-          x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0))
-        got = jax.jit(fn)(x, w, dy)
+        fn = lambda x, w, dy, plan=None, config=config: pallas_backend.backward(
+          x, w, dy, policy=RowPolicy(), config=dataclasses.replace(config, crossover=1.0),
+          plan=plan)
+        got = jax.jit(fn)(*config_sets[0])
         errors = [float(jnp.linalg.norm((g - e).astype(jnp.float32))
                         / jnp.linalg.norm(e.astype(jnp.float32))) for g, e in zip(got, expected)]
-        timings[name] = device_time_ms(fn, [s[:3] for s in sets])
+        timings[name] = device_time_ms(fn, config_sets)
         if args.kernels:
           timings[name + "/kernels"] = device_time_ms(
             functools.partial(pallas_backend.sparse_backward, config=config),
             [(*s[:3], *_selection(s[2])) for s in sets])
         if args.families:
-          families[name] = _family_times(fn, [s[:3] for s in sets])
+          families[name] = _family_times(fn, config_sets)
         if max(errors) > 2e-2:
           print(f"  MISMATCH {shape_name} {fraction} {name}: rel err dx/dw {errors}", flush=True)
         rows.append({**base, "config": name, "rel_err_dx": errors[0], "rel_err_dw": errors[1],
@@ -226,7 +238,8 @@ def main() -> None:
         print(f"  {name}: " + " ".join(f"{k}={v:.4f}" for k, v in times.items()), flush=True)
       if args.out:
         with open(args.out, "w") as f:
-          json.dump({**environment(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+          json.dump({**environment(), "dtype": args.dtype, "planned": args.planned,
+                     "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
