@@ -384,11 +384,12 @@ def test_grads_pallas_called_directly_checks_dx_split():
 
 
 @pytest.mark.parametrize("split", [dict(dx_split=0), dict(dx_split=2, dx_programs=-1),
-                                   dict(dw_programs=-1)])
+                                   dict(dw_programs=-1), dict(dw_split=0),
+                                   dict(dw_split=2, dw_min_part=0)])
 def test_bad_launch_sizes_are_named(split):
   config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
   x, kernel, dy = (jnp.ones(shape) for shape in ((32, 16), (16, 32), (32, 32)))
-  with pytest.raises(ValueError, match="`d[xw]_(split|programs)`"):
+  with pytest.raises(ValueError, match="`d[xw]_(split|programs|min_part)`"):
     jax.eval_shape(lambda: pallas_backend.backward(x, kernel, dy, policy=RowPolicy(),
                                                    config=config, interpret=True))
 

@@ -66,17 +66,17 @@ class BlockConfig:
 
   ``dx_*``: the dX kernel's tile is ``dx_m`` rows x ``dx_k`` columns, looping over ``N`` in steps
   of ``dx_n``. ``dw_*``: the dW kernel's tile is ``dw_k x dw_n``, looping over kept rows in steps
-  of ``dw_m``; up to ``dw_split`` programs share the rows of each tile of the *tail* (split-K
-  over rows): past ``dw_slots`` tiles (the dW programs the GPU runs at once; ``0``: unknown) the
-  tiles of the last, partial wave, else every tile. How many share it is decided at run time:
-  one per ``dw_min_part`` row blocks of kept rows, at most ``dw_split``; the last part to finish
-  sums their float32 partial tiles in the kernel. ``dx_group`` / ``dw_group``: row (``K``) blocks per group of
-  the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before the
-  GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
+  of ``dw_m``; up to ``dw_split`` programs share the rows of each tile of the *tail* (split-K over
+  rows): past ``dw_slots`` tiles (the dW programs the GPU runs at once; ``0``: unknown) the tiles
+  of the last, partial wave, else every tile. How many share it is decided at run time: one per
+  ``dw_min_part`` row blocks of kept rows, at most ``dw_split``; the last part to finish sums
+  their float32 partial tiles in the kernel. ``dx_group`` / ``dw_group``: row (``K``) blocks per
+  group of the grouped tile order. ``compact``: copy the kept rows into contiguous buffers before
+  the GEMMs (``False``: the GEMMs read them in place through the permutation; :func:`block_config`
   chooses that for vocabulary-wide layers, where the copy would add a ``dy``-sized buffer to the
-  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs
-  instead. ``fused``: dX's and dW's programs in one launch (``sebp_grads``), as the torch
-  reference's planned launch does, instead of one each, on the compacted rows (or in place with
+  peak memory). ``crossover``: the kept-row fraction above which the dense backward runs instead.
+  ``fused``: dX's and dW's programs in one launch (``sebp_grads``), as the torch reference's
+  planned launch does, instead of one each, on the compacted rows (or in place with
   ``compact=False``); it splits no dX tile, so it needs ``dx_split == 1``. Its ``num_warps`` and
   ``num_stages`` are the larger of the two GEMMs'.
 
@@ -127,18 +127,15 @@ class BlockConfig:
 # 768 x 3072 layers are faster on the default tiles below ~20 % kept rows.
 _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   ("hopper", 2, "narrow"): BlockConfig(),
-  # "small": a weight of at most _SMALL_WEIGHT entries (BERT-base's 768 x 768 projections).
-  # Its 36 dW tiles of 128 x 128 are split 3 ways to fill 132 SMs (with_dw_split), and at a few
-  # kept rows the float32 partials and their sum cost more than the split saves; 64-wide tiles
-  # give 72 tiles and no split: the whole backward 0.059 -> 0.039 ms at 1.9 % real, 0.058 ->
-  # 0.053 at 4.7 %, 0.065 -> 0.057 at 12.1 %, but 0.093 -> 0.117 at 46.5 %, where the 0.4
-  # crossover runs the dense backward (results/v29_h200/, benchmarks/NOTES.md "Launch resources
-  # measured"). BERT-base b32's step: -0.17 ms of GPU time at 2.5 % real tokens, equal at 12.9 %
-  # (results/v32_h200/call4/, NOTES "v23").
-  # Unsplit: its 72 tiles of 78 registers fit three per SM, but split at run time (5 parts from
-  # 8 row blocks each) dW took 17.0 against 11.1 us at 12.1 % real and 19.0 against 15.8 at
-  # 18.6 %, gaining only at 46.5 % (29.8 against 46.7), where the crossover runs dense
-  # (results/v35_h200/call2/, NOTES "v25").
+  # "small": a weight of at most _SMALL_WEIGHT entries (BERT-base's 768 x 768 projections):
+  # 64-wide dW tiles, 72 of them, one wave, never split. Against the 128 x 128 tiles (36, split 3
+  # ways at run time) dW took 3.7 / 5.7 / 11.1 / 15.8 us against 5.1 / 7.9 / 14.0 / 16.1 at 1.9 /
+  # 4.7 / 12.1 / 18.6 % real, and lost only at 46.5 % (46.7 against 26.9), where the 0.4
+  # crossover runs the dense backward; split at run time themselves (5 parts of >= 8 row blocks,
+  # three programs per SM, which their 78 registers allow) they lost at 12.1 and 18.6 % (17.0
+  # and 19.0 us) (results/v35_h200/call2/, benchmarks/NOTES.md "v25"; v23 measured the tile
+  # first, with XLA summing the split: BERT-base b32's step -0.17 ms of GPU time at 2.5 % real
+  # tokens, results/v32_h200/call4/).
   ("hopper", 2, "small"): BlockConfig(dw_k=64),
   ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
