@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import triton
 from jax import export
+from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir as mlir
 from jax._src.lib.triton import dialect as triton_dialect
 
@@ -84,7 +85,9 @@ def _triton_calls(module: str):
             end += 2 if module[end] == "\\" else 1
         config = module[module.find("backend_config", call):begin] + module[end:module.find("}", end)]
         fields = dict(re.findall(r'(\w+) = "?(\w+)"?', config))
-        context = mlir.Context()
+        # JAX's own context knows the upstream dialects the kernels use besides Triton's (the
+        # `gpu` dialect's barrier, in dW's split fix-up).
+        context = jax_mlir.make_ir_context()
         triton_dialect.register_dialect(context)
         with context:
             ir = mlir.Module.parse(_unescape(module[begin:end])).operation.get_asm(enable_debug_info=False)
