@@ -10,8 +10,10 @@ the two GEMM kernels run without the selection and the gather (benchmarks/NOTES.
   XLA backend's ``DX_DIMS`` / ``DW_DIMS`` (cuBLAS on a GPU). v9 found the default 64 x 128 dX
   tile at half of cuBLAS and 128 x 256 tiles at 0.89-0.96x of it, and dW on BERT's shapes held
   back by wave quantization (72 programs on 132 SMs), not by a slow GEMM.
-* ``dw_split``: ``dw_pallas`` alone (the XLA sum of its float32 partials included) for each
-  ``dw_split``, on the table's tiles (:func:`~sebp_jax.backends.pallas.block_config`) and on each
+* ``dw_split``: ``dw_pallas`` alone (the fix-up of its float32 partial tiles included) with
+  every tile split ``dw_split`` ways (fewer only where fewer row blocks are kept: v9's split,
+  which XLA summed then; the table's own split is its last wave's, sized from ``count``), on the
+  table's tiles (:func:`~sebp_jax.backends.pallas.block_config`) and on each
   of ``--dw-tiles``, at each kept fraction, the rows past ``count`` zero; beside cuBLAS on the kept
   rows only. v9: at the fractions the models run (<= 20 %) split 1 is at or below cuBLAS and
   every split only costs; a split pays only above the crossover.
@@ -185,15 +187,17 @@ def _tile(text: str) -> tuple[int, int]:
 def dw_split_rows(name: str, shape: LayerShape, fraction: float, splits: Sequence[int],
                   tiles: Sequence[tuple[int, int]], tile_splits: Sequence[int], dtype, *,
                   reps: int, trials: int, interpret: bool) -> list[dict]:
-  """dW at ``fraction`` kept rows: cuBLAS on them, then ``split{s}`` (the table's tiles, split
-  ``s`` ways) for each of ``splits`` and ``t{K}x{N}_s{s}`` (8 warps) for each tile and each of
-  ``tile_splits``."""
+  """dW at ``fraction`` kept rows: cuBLAS on them, then ``split{s}`` (the table's tiles, every
+  one split ``s`` ways, as far as the kept row blocks go) for each of ``splits`` and
+  ``t{K}x{N}_s{s}`` (8 warps) for each tile and each of ``tile_splits``."""
   m, k, n = shape.rows, shape.in_features, shape.out_features
   count = max(1, int(fraction * m))
   table = pallas_backend.block_config(m, k, n, dtype)
-  configs = {f"split{s}": dataclasses.replace(table, dw_split=s) for s in splits}
+  # Every tile (no whole waves: dw_slots=0) in s parts from one row block each.
+  uniform = dict(dw_slots=0, dw_min_part=1)
+  configs = {f"split{s}": dataclasses.replace(table, dw_split=s, **uniform) for s in splits}
   configs.update({f"t{dw_k}x{dw_n}_s{s}": dataclasses.replace(
-    table, dw_k=dw_k, dw_n=dw_n, dw_split=s, dw_warps=8) for dw_k, dw_n in tiles
+    table, dw_k=dw_k, dw_n=dw_n, dw_split=s, dw_warps=8, **uniform) for dw_k, dw_n in tiles
     for s in tile_splits})
   cases = {_CUBLAS: (cublas_gemm("dw", count), None)}
   for config_name, config in configs.items():
