@@ -495,6 +495,30 @@ def test_dx_split_traces_in_shard_map_with_check_vma():
   assert jaxpr.count("pallas_call") == 5 and "input_output_aliases=((3, 0),)" in jaxpr
 
 
+@pytest.mark.parametrize("split,launches,alias", [(DW_SPLIT, 4, (4, 1)), (FUSED, 3, (5, 2))],
+                         ids=["dw_split", "fused_dw_split"])
+def test_dw_split_traces_in_shard_map_with_check_vma(split, launches, alias):
+  # dW's arrival counters are zeros made on the device, invariant over the mesh axis while the
+  # rows vary, and aliased to an output of the dW launch (operand 4; the fused launch's 5).
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+
+  def per_device(x, kernel, dy):
+    dx, dw = pallas_backend.backward(x, kernel, dy, policy=RowPolicy(), config=config)
+    return dx, jax.lax.psum(dw, "data")
+
+  backward = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                           out_specs=(P("data"), P()), check_vma=True)
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+            for shape, spec in (((75, 37), P("data")), ((37, 60), P()), ((75, 60), P("data")))]
+  with jax.set_mesh(mesh):
+    jaxpr = str(jax.make_jaxpr(backward)(*shapes))
+  assert jaxpr.count("pallas_call") == launches
+  assert f"input_output_aliases=({alias},)" in jaxpr
+
+
 def _conds_in_backward(run, x, kernel):
   """``cond`` equations in the jaxpr of ``run``'s gradient with respect to ``x`` and ``kernel``."""
   grad = jax.grad(lambda x, k: jnp.sum(run(x, k) ** 2), argnums=(0, 1))
