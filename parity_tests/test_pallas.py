@@ -474,32 +474,17 @@ def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
                                 out_features) == expected
 
 
-def test_dx_split_traces_in_shard_map_with_check_vma():
-  # The reduction's output aliases the GEMM's `dx`, which is already varying over the mesh axis:
+@pytest.mark.parametrize("split,rows,in_features,out_features,launches,alias", [
+  # The dX reduction's output aliases the GEMM's `dx`, already varying over the mesh axis:
   # `_launch` must not cast it to varying a second time (an error under check_vma=True).
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
-  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **DX_SPLIT})
-
-  def per_device(x, kernel, dy):
-    dx, dw = pallas_backend.backward(x, kernel, dy, policy=RowPolicy(), config=config)
-    return dx, jax.lax.psum(dw, "data")
-
-  backward = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
-                           out_specs=(P("data"), P()), check_vma=True)
-  shapes = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-            for shape, spec in (((64, 32), P("data")), ((32, 48), P()), ((64, 48), P("data")))]
-  with jax.set_mesh(mesh):
-    jaxpr = str(jax.make_jaxpr(backward)(*shapes))
-  assert jaxpr.count("pallas_call") == 5 and "input_output_aliases=((3, 0),)" in jaxpr
-
-
-@pytest.mark.parametrize("split,launches,alias", [(DW_SPLIT, 4, (4, 1)), (FUSED, 3, (5, 2))],
-                         ids=["dw_split", "fused_dw_split"])
-def test_dw_split_traces_in_shard_map_with_check_vma(split, launches, alias):
+  (DX_SPLIT, 64, 32, 48, 5, (3, 0)),
   # dW's arrival counters are zeros made on the device, invariant over the mesh axis while the
-  # rows vary, and aliased to an output of the dW launch (operand 4; the fused launch's 5).
+  # rows vary, aliased to an output of the dW launch (operand 4; the fused launch's 5).
+  (DW_SPLIT, 75, 37, 60, 4, (4, 1)),
+  (FUSED, 75, 37, 60, 3, (5, 2)),
+], ids=["dx_split", "dw_split", "fused_dw_split"])
+def test_splits_trace_in_shard_map_with_check_vma(split, rows, in_features, out_features,
+                                                  launches, alias):
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
@@ -512,7 +497,9 @@ def test_dw_split_traces_in_shard_map_with_check_vma(split, launches, alias):
   backward = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")),
                            out_specs=(P("data"), P()), check_vma=True)
   shapes = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-            for shape, spec in (((75, 37), P("data")), ((37, 60), P()), ((75, 60), P("data")))]
+            for shape, spec in (((rows, in_features), P("data")),
+                                ((in_features, out_features), P()),
+                                ((rows, out_features), P("data")))]
   with jax.set_mesh(mesh):
     jaxpr = str(jax.make_jaxpr(backward)(*shapes))
   assert jaxpr.count("pallas_call") == launches
