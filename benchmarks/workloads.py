@@ -262,9 +262,10 @@ class Variant:
   patching) under ``torch.compile`` in its default mode; each SEBP layer is an op in the
   one graph (``sebp_torch_ref/compiled.py``; before v23, a graph break); with ``graphed``, the
   compiled step is what the CUDA graphs record. ``caller_thread``: the eager torch step's
-  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)`` (:func:`torch_backward`).
-  ``layers``: ``"dense"``, the model as :attr:`ModelSpec.jax_module` builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module`
-  does. ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
+  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)``
+  (:func:`torch_backward`). ``layers``: ``"dense"``, the model as :attr:`ModelSpec.jax_module`
+  builds it, or ``"einsum"``, as :attr:`ModelSpec.jax_einsum_module` does.
+  ``command_buffers``: the JAX step run in a worker process whose ``XLA_FLAGS`` add
   :data:`sebp_jax.xla_flags.COMMAND_BUFFER_FLAGS` (conditionals inside CUDA graphs), beside the
   same variant without them in the same run. ``launch``: attributes of the framework's kernel
   module (:mod:`sebp_torch_ref.kernels`' launch plan, :mod:`sebp_jax.backends.pallas`' tile

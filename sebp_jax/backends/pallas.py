@@ -257,9 +257,16 @@ def with_dw_split(config: BlockConfig, in_features: int, out_features: int) -> B
   if not sms:
     return config
   tiles = pl.cdiv(in_features, config.dw_k) * pl.cdiv(out_features, config.dw_n)
-  tail = tiles % sms if tiles > sms else tiles
+  tail = _last_wave(tiles, sms)
   split = max(1, min(_MAX_DW_SPLIT, sms // tail)) if tail else 1
   return dataclasses.replace(config, dw_split=split, dw_slots=sms)
+
+
+def _last_wave(tiles: int, slots: int) -> int:
+  """Tiles of the last, partial wave when ``slots`` programs run at once: all of them where
+  they are no more than ``slots`` (or ``slots`` is unknown, ``0``), none where they fill whole
+  waves."""
+  return tiles % slots if slots and tiles > slots else tiles
 
 
 def with_dx_programs(config: BlockConfig, dtype) -> BlockConfig:
@@ -863,11 +870,7 @@ class _DwLaunch:
 def _dw_tail(tiles: int, config: BlockConfig) -> int:
   """dW tiles that ``config`` splits over rows: none unsplit; past ``dw_slots`` (the programs
   that run at once) the last wave's tiles, which would leave most of the GPU idle; else all."""
-  if config.dw_split == 1:
-    return 0
-  if config.dw_slots and tiles > config.dw_slots:
-    return tiles % config.dw_slots
-  return tiles
+  return 0 if config.dw_split == 1 else _last_wave(tiles, config.dw_slots)
 
 
 def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLaunch:
