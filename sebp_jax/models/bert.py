@@ -47,20 +47,10 @@ def _gelu_erf(x: jax.Array) -> jax.Array:
   return (0.5 * xc * (1 + jax.lax.erf(xc * np.sqrt(0.5).astype(compute)))).astype(x.dtype)
 
 
-def _gelu_tanh(x: jax.Array) -> jax.Array:
-  return nn.gelu(x, approximate=True)
-
-
-# The GELUs are rematerialized: their backward recomputes the derivative from the FFN's
-# pre-activation, the one residual kept (in the input's dtype). Differentiated as written, the
-# erf form keeps three float32 intermediates of the (rows, intermediate_size) activation for the
-# backward, which XLA:GPU writes in the forward's fusion and reads back in the backward's: BERT-base
-# b32's forward fusion took 80 us a layer and the backward's 110 on an H200, where reading and
-# writing bfloat16 once takes ~42 and ~63 (benchmarks/NOTES.md "v27"). The values are the same.
 _ACTIVATIONS = {
-  "gelu": jax.checkpoint(_gelu_erf),  # HF's "gelu" is the exact erf form
-  "gelu_new": jax.checkpoint(_gelu_tanh),
-  "gelu_pytorch_tanh": jax.checkpoint(_gelu_tanh),
+  "gelu": _gelu_erf,  # HF's "gelu" is the exact erf form
+  "gelu_new": lambda x: nn.gelu(x, approximate=True),
+  "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
   "relu": nn.relu,
 }
 
