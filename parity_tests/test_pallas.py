@@ -415,10 +415,9 @@ def test_bad_launch_sizes_are_named(split):
 def test_kernels_lower_to_triton_ir_without_a_gpu(dtype, policy, split, kernel_nk):
   config = pallas_backend.BlockConfig(**{**pallas_backend.BlockConfig().__dict__, **split,
                                          "crossover": 0.4})
-  # Partition, gather, dX and dW; one more for the reduction of the split dX tiles, one fewer
+  # Partition, gather, dX and dW (a split's partial tiles summed in its own launch); one fewer
   # without the gather, and one fewer with dX and dW in one launch.
-  expected = (4 + (split.get("dx_split", 1) > 1) - (not split.get("compact", True))
-              - split.get("fused", False))
+  expected = 4 - (not split.get("compact", True)) - split.get("fused", False)
   assert _exported_kernel_count(config, dtype, 500, 192, 320, policy,
                                 kernel_nk=kernel_nk) == expected
 
@@ -433,8 +432,8 @@ def test_block_table_entries_lower_to_triton_ir(monkeypatch, key):
   config = pallas_backend.BlockConfig(**{
     **pallas_backend._BLOCK_TABLE[key].__dict__, "compact": key[2] != "vocab"})
   config = pallas_backend.with_dx_programs(config, dtype)
-  # Partition, dX, dW, the gather where compacted and the split dX's reduction where split.
-  expected = 3 + config.compact + (config.dx_split > 1)
+  # Partition, dX, dW and the gather where compacted.
+  expected = 3 + config.compact
   # A vocabulary-wide layer is typically a tied embedding, stored (N, K).
   assert _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
                                 kernel_nk=key[2] == "vocab") == expected
@@ -469,17 +468,16 @@ def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
   num_rows, in_features, out_features = 4096, 3072, 640
   config = tune_blocks.sized_candidate(name, num_rows, in_features, out_features, jnp.bfloat16)
-  expected = 3 + config.compact + (config.dx_split > 1) - config.fused
+  expected = 3 + config.compact - config.fused
   assert _exported_kernel_count(config, jnp.bfloat16, num_rows, in_features,
                                 out_features) == expected
 
 
 @pytest.mark.parametrize("split,rows,in_features,out_features,launches,alias", [
-  # The dX reduction's output aliases the GEMM's `dx`, already varying over the mesh axis:
-  # `_launch` must not cast it to varying a second time (an error under check_vma=True).
-  (DX_SPLIT, 64, 32, 48, 5, (3, 0)),
-  # dW's arrival counters are zeros made on the device, invariant over the mesh axis while the
-  # rows vary, aliased to an output of the dW launch (operand 4; the fused launch's 5).
+  # Each split's arrival counters are zeros made on the device, invariant over the mesh axis
+  # while the rows vary, aliased to an output of its launch: dX's operand 4, dW's 4, the fused
+  # launch's 5.
+  (DX_SPLIT, 64, 32, 48, 4, (4, 1)),
   (DW_SPLIT, 75, 37, 60, 4, (4, 1)),
   (FUSED, 75, 37, 60, 3, (5, 2)),
 ], ids=["dx_split", "dw_split", "fused_dw_split"])
@@ -606,9 +604,8 @@ def test_accumulating_dx_lowers_to_triton_ir(split):
   exported = export.export(
     backward, platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
-  # Partition, gather (where compacted), dX, dW (one launch with dX where fused), and the split
-  # dX's reduction.
-  expected = 3 + config.compact + (config.dx_split > 1) - config.fused
+  # Partition, gather (where compacted), dX, dW (one launch with dX where fused).
+  expected = 3 + config.compact - config.fused
   assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == expected
 
 
@@ -633,8 +630,7 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
                                                                                        *shapes)
   text = exported.mlir_module()
-  assert text.count("@__gpu$xla.gpu.triton(") == (config.compact + 2 + (config.dx_split > 1)
-                                                  - config.fused)
+  assert text.count("@__gpu$xla.gpu.triton(") == config.compact + 2 - config.fused
   # No gather puts rows in place (v20 did); the select that zeroes the dropped rows is checked
   # where its effect shows, in the interpreter (NaN in every unwritten row).
   assert "stablehlo.gather" not in text

@@ -21,8 +21,8 @@ The plan (DESIGN §5, v5: compact first):
   where those can absorb them), so no program is launched just to store one zero tile. With
   few kept rows those tiles are fewer than the programs, each streaming all of ``N``; with
   ``dx_split`` each live tile's ``N`` loop is shared by ``parts`` programs, ``parts`` chosen from
-  ``count`` at run time to occupy the launch, and a reduction kernel sums their float32 partial
-  tiles into ``dx`` in place (``input_output_aliases``);
+  ``count`` at run time to occupy the launch, and the last of them to arrive sums their float32
+  partial tiles and stores the tile (the fix-up that dW's split uses, no second launch);
 * **dW kernel**: a GEMM over the contiguous prefix of ``xc`` and ``dyc``, with the runtime trip
   count ``cdiv(count, dw_m)``. The tiles of a last wave that would leave most SMs idle (all of
   them where the tiles are fewer than the SMs) are split over rows: up to ``dw_split`` programs
@@ -89,9 +89,9 @@ class BlockConfig:
   dx_k`` dX tiles have work, fewer than the programs, and each streams its whole loop over ``N``
   alone (LLaMA-3B at batch 1: ~100 of 4096 rows, 48 tiles for 132 SMs). With ``dx_split > 1``
   each live tile's ``N`` loop is shared by ``parts = clamp(dx_programs // live tiles, 1,
-  dx_split)`` programs, chosen at run time from ``count``; a small reduction kernel sums their
-  float32 partial tiles. Past ``dx_programs // 2`` live tiles ``parts`` is 1 and the split costs
-  only that launch.
+  dx_split)`` programs, chosen at run time from ``count``; the last of them to finish sums their
+  float32 partial tiles in the same launch. Past ``dx_programs // 2`` live tiles ``parts`` is 1
+  and the split costs only the memset of its arrival counters.
   """
 
   dx_m: int = 64
@@ -469,19 +469,40 @@ def _split_share(total, split, part):
   return first, jnp.maximum(jnp.minimum(total - first, per_part), 0)
 
 
+def _sum_parts(partials_ref, arrivals_ref, slot, part, parts, acc, store, *, barrier: bool):
+  """A split tile's fix-up, in the launch that computes it: part ``part`` of ``parts`` stores its
+  float32 partial ``acc`` to ``partials[part, slot]`` and counts its arrival on ``slot`` (an
+  atomic on a counter zeroed before the launch); the last to arrive sums the parts in part order
+  (so the result does not depend on which part that is) and hands the sum to ``store``. No
+  second launch, as stream-K GEMMs fix up their split tiles. ``barrier``: order every thread's
+  partial store before the (one-thread) arrival; off in the interpreter, which runs one program
+  at a time and has no barrier."""
+  partials_ref[part, slot] = acc
+  if barrier:
+    pl_triton.debug_barrier()
+  arrived = pl_triton.atomic_add(arrivals_ref, (slot,), jnp.int32(1))
+
+  @pl.when(arrived == parts - 1)
+  def _():
+    # Volatile: read where the other parts' stores are (L2), never a copy in this SM's L1.
+    total = lax.fori_loop(
+      0, parts, lambda p, total: total + pl_triton.load(partials_ref.at[p, slot], volatile=True),
+      jnp.zeros(acc.shape, jnp.float32))
+    store(total)
+
+
 def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int):
   """Programs that share each dX tile's loop over ``N`` for ``count`` kept rows: enough for the
-  tiles that have kept rows to occupy the launch's ``programs``, between 1 and ``split``. The
-  GEMM and the reduction both derive it from ``count`` here, so the reduction sums exactly the
-  partial tiles that were written."""
+  tiles that have kept rows to occupy the launch's ``programs``, between 1 and ``split``."""
   live_tiles = pl.cdiv(count, block_m) * col_blocks
   return jnp.minimum(jnp.maximum(programs // jnp.maximum(live_tiles, 1), 1), split)
 
 
 def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, precision,
-               programs: int, split: int, compact: bool = True, kernel_nk: bool = False,
-               accumulate: bool = False, zero_rows: bool = True, program=None):
+               programs: int, split: int, barrier: bool = True, compact: bool = True,
+               kernel_nk: bool = False, accumulate: bool = False, zero_rows: bool = True,
+               program=None):
   """One persistent program of the dX GEMM: it works through its share of the launch's
   *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
   zero items), then exits.
@@ -490,9 +511,9 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   ``(block_m, block_k)`` tile of ``dx`` whose rows hold kept rows. With ``split == 1`` every such
   tile is one item over all of ``N``, stored to rows ``perm[block]`` of ``dx``. Otherwise each
   live tile's loop over ``N`` is shared by ``parts`` items (:func:`_dx_parts`); at ``parts > 1``
-  each stores a float32 partial tile to ``partials[part]`` (compact row order;
-  :func:`_dx_reduce_kernel` sums and scatters them), even for an empty share of ``N``, since the
-  reduction reads every part. GEMM items are numbered part-major, grouped tile order within, so
+  the last of them to finish sums their float32 partial tiles and stores the tile
+  (:func:`_sum_parts`; every part arrives, even with an empty share of ``N``, since the sum
+  waits for all of them). GEMM items are numbered part-major, grouped tile order within, so
   the programs running together share operand rows in L2. A zero item is a tile past the live
   ones: it stores zeros to rows ``perm[block]``, reading nothing. They go to the programs that
   the GEMM leaves idle where those can store them all while a GEMM item runs, else to every
@@ -500,6 +521,11 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
 
   ``dyc``: the compacted ``dy``, or ``dy`` itself when not ``compact``. ``kernel``: ``(K, N)``,
   or ``(N, K)`` with ``kernel_nk``.
+
+  ``refs``: ``dx``; with ``accumulate`` the accumulator first (below); with ``split > 1`` the
+  arrival counters as passed in before the outputs, and after ``dx`` the counters (aliased) and
+  the partial tiles ``(split, split tiles, block_m, block_k)``, one slot per tile of the rows
+  where a split can happen. ``barrier``: as in :func:`_sum_parts`.
 
   With ``accumulate``, ``refs`` starts with the accumulator, an input whose buffer ``dx`` is
   (``input_output_aliases``): each live tile's product is added to the rows it holds there, and
@@ -513,10 +539,8 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   ``program``: this program's number among the launch's dX programs (default: its program id;
   :func:`_grads_kernel` passes it).
   """
-  if accumulate:
-    _, dx_ref, *partials_ref = refs
-  else:
-    dx_ref, *partials_ref = refs
+  refs = refs[accumulate + (split > 1):]  # past the inputs that the outputs alias
+  dx_ref, arrivals_ref, partials_ref = refs if split > 1 else (*refs, None, None)
   col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
   total = dyc_ref.shape[1] // block_n
   count = count_ref[0]
@@ -569,19 +593,19 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
     # go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
     acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
 
-    def store_rows():
+    def store_rows(total):
       rows = perm_ref[pl.ds(start, block_m)]
-      total = acc + dx_ref[rows, cols].astype(jnp.float32) if accumulate else acc
+      if accumulate:
+        total = total + dx_ref[rows, cols].astype(jnp.float32)
       dx_ref[rows, cols] = total.astype(dx_ref.dtype)
 
     if split == 1:
-      store_rows()
+      store_rows(acc)
     else:
-      pl.when(parts == 1)(store_rows)
-
-      @pl.when(parts > 1)
-      def _():
-        partials_ref[0][part, pl.ds(start, block_m), cols] = acc
+      pl.when(parts == 1)(lambda: store_rows(acc))
+      slot = row_block * col_blocks + col_block  # parts > 1: row_block is below the split rows
+      pl.when(parts > 1)(lambda: _sum_parts(partials_ref, arrivals_ref, slot, part, parts, acc,
+                                            store_rows, barrier=barrier))
     return carry
 
   def zero_item(i, carry):
@@ -593,32 +617,6 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
 
   lax.fori_loop(0, trips, item, jnp.int32(0))
   lax.fori_loop(0, zero_trips, zero_item, jnp.int32(0))
-
-
-def _dx_reduce_kernel(count_ref, perm_ref, partials_ref, _, dx_ref, *, block_m: int,
-                      block_k: int, programs: int, accumulate: bool = False):
-  """One ``(block_m, block_k)`` tile of the split region: where the GEMM split the live tiles
-  (``parts > 1``), the sum of this tile's partial tiles stored to rows ``perm[block]`` of ``dx``
-  (aliased to the GEMM's ``dx``, whose other rows it keeps); nothing otherwise, nor for a block
-  past ``count``, whose partial tiles were never written (the GEMM stored its zeros). With
-  ``accumulate`` the sum is added to the rows' values."""
-  col_blocks = dx_ref.shape[1] // block_k
-  row_block, col_block = pl.program_id(0) // col_blocks, pl.program_id(0) % col_blocks
-  start = row_block * block_m
-  count = count_ref[0]
-  rows, cols = pl.ds(start, block_m), pl.ds(col_block * block_k, block_k)
-  parts = _dx_parts(count, block_m=block_m, col_blocks=col_blocks, programs=programs,
-                    split=partials_ref.shape[0])
-  summed = (start < count) & (parts > 1)
-  steps = summed.astype(jnp.int32) * parts
-  acc = lax.fori_loop(0, steps, lambda part, acc: acc + partials_ref[part, rows, cols],
-                      jnp.zeros((block_m, block_k), jnp.float32))
-
-  @pl.when(summed)
-  def _():
-    kept = perm_ref[rows]
-    total = acc + dx_ref[kept, cols].astype(jnp.float32) if accumulate else acc
-    dx_ref[kept, cols] = total.astype(dx_ref.dtype)
 
 
 def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, *refs,
@@ -634,16 +632,13 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, *refs,
   leave most SMs idle), have ``split`` programs each, part-major after them: ``parts`` of them,
   chosen at run time from ``count`` (at least ``min_part`` row blocks each, at most ``split``),
   share the tile's rows, and the rest return at once. A lone part stores its tile; otherwise
-  each stores its float32 partial tile and counts its arrival on the tile (an atomic on a
-  zeroed counter), and the last to arrive sums the parts in part order (so the result does not
-  depend on which part that is) and stores the tile: no second launch, as stream-K GEMMs fix up
-  their split tiles.
+  the last part to arrive sums the parts' float32 partial tiles and stores it
+  (:func:`_sum_parts`).
 
   ``xc``, ``dyc``: the compacted ``x`` and ``dy``, or the originals when not ``compact``.
   ``refs``: ``dw``; with ``split > 1`` first the arrival counters as passed in, then ``dw``, the
   counters (aliased) and the partial tiles ``(split, tail tiles, block_k, block_n)``.
-  ``barrier``: order every thread's partial store before the arrival (off in the interpreter,
-  which runs one program at a time and has no barrier). ``program``: this program's number among
+  ``barrier``: as in :func:`_sum_parts`. ``program``: this program's number among
   the launch's dW programs (default: its program id; :func:`_grads_kernel` passes it).
   """
   if split > 1:
@@ -690,21 +685,11 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, *refs,
       def _():
         dw_ref[span] = acc.astype(dw_ref.dtype)
 
-      @pl.when(parts > 1)
-      def _():
-        partials_ref[part, tail] = acc
-        if barrier:  # every thread's partial stored before the (one-thread) arrival releases it
-          pl_triton.debug_barrier()
-        arrived = pl_triton.atomic_add(arrivals_ref, (tail,), jnp.int32(1))
+      def store(total):
+        dw_ref[span] = total.astype(dw_ref.dtype)
 
-        @pl.when(arrived == parts - 1)
-        def _():
-          # Volatile: read where the other parts' stores are (L2), never a copy in this SM's L1.
-          total = lax.fori_loop(
-            0, parts, lambda p, total: total + pl_triton.load(partials_ref.at[p, tail],
-                                                              volatile=True),
-            jnp.zeros((block_k, block_n), jnp.float32))
-          dw_ref[span] = total.astype(dw_ref.dtype)
+      pl.when(parts > 1)(lambda: _sum_parts(partials_ref, arrivals_ref, tail, part, parts, acc,
+                                            store, barrier=barrier))
 
   def program_whole_tiles():
     if programs == whole_tiles:  # one tile per program: no loop around it at all
@@ -764,11 +749,8 @@ def _dx_launch(num_rows: int, in_features: int, out_steps: int,
   return programs, split, split_rows
 
 
-_DX_REDUCE_WARPS = 4
-
-
 def _dx_plan(dyc, kernel, config: BlockConfig, precision, kernel_nk: bool, accumulator,
-             zero_rows: bool):
+             zero_rows: bool, interpret: bool):
   """``(programs, split, split_rows, body, dx_shape)`` of the dX GEMM (:func:`dx_pallas`)."""
   num_rows, out_features = dyc.shape
   in_features = kernel.shape[1 if kernel_nk else 0]
@@ -776,9 +758,9 @@ def _dx_plan(dyc, kernel, config: BlockConfig, precision, kernel_nk: bool, accum
                                            config)
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
-                           programs=programs, split=split, compact=config.compact,
-                           kernel_nk=kernel_nk, accumulate=accumulator is not None,
-                           zero_rows=zero_rows)
+                           programs=programs, split=split, barrier=not interpret,
+                           compact=config.compact, kernel_nk=kernel_nk,
+                           accumulate=accumulator is not None, zero_rows=zero_rows)
   dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
   if accumulator is not None and (accumulator.shape, accumulator.dtype) != (dx_shape.shape,
                                                                            dx_shape.dtype):
@@ -793,8 +775,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows (with
-  ``zero_rows``); with ``config.dx_split > 1`` also a reduction launch (``sebp_dx_reduce``) that
-  sums the split tiles' float32 partials into ``dx`` in place.
+  ``zero_rows``) and, with ``config.dx_split > 1``, sums the split tiles' float32 partials
+  (:func:`_sum_parts`: one zeroed arrival counter per tile of the split rows, aliased).
 
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
@@ -811,22 +793,20 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
     ``(M, K)`` in ``kernel.dtype``.
   """
   programs, split, split_rows, body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
-                                                         accumulator, zero_rows)
-  in_features = dx_shape.shape[1]
-  launch = functools.partial(_launch, interpret=interpret)
+                                                         accumulator, zero_rows, interpret)
   operands = (count, perm, dyc, kernel) + (() if accumulator is None else (accumulator,))
-  gemm = functools.partial(launch, body, grid=(programs,), warps=config.dx_warps,
-                           stages=config.dx_stages, name="sebp_dx",
-                           input_output_aliases=None if accumulator is None else {4: 0})
-  if split == 1:
-    return gemm(dx_shape)(*operands)
-  partials_shape = jax.ShapeDtypeStruct((split, split_rows, in_features), jnp.float32)
-  dx, partials = gemm((dx_shape, partials_shape))(*operands)
-  reduce = functools.partial(_dx_reduce_kernel, block_m=config.dx_m, block_k=config.dx_k,
-                             programs=programs, accumulate=accumulator is not None)
-  split_tiles = split_rows // config.dx_m * (in_features // config.dx_k)
-  return launch(reduce, dx_shape, grid=(split_tiles,), warps=_DX_REDUCE_WARPS, stages=1,
-                name="sebp_dx_reduce", input_output_aliases={3: 0})(count, perm, partials, dx)
+  aliases = {} if accumulator is None else {4: 0}
+  out_shape = dx_shape
+  if split > 1:
+    split_tiles = split_rows // config.dx_m * (dx_shape.shape[1] // config.dx_k)
+    aliases[len(operands)] = 1
+    operands += (jnp.zeros((split_tiles,), jnp.int32),)
+    out_shape = (dx_shape, jax.ShapeDtypeStruct((split_tiles,), jnp.int32),
+                 jax.ShapeDtypeStruct((split, split_tiles, config.dx_m, config.dx_k), jnp.float32))
+  outputs = _launch(body, out_shape, grid=(programs,), warps=config.dx_warps,
+                    stages=config.dx_stages, interpret=interpret, name="sebp_dx",
+                    input_output_aliases=aliases or None)(*operands)
+  return outputs if split == 1 else outputs[0]
 
 
 def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
@@ -908,10 +888,10 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   :func:`dw_pallas`'s, reading ``xc`` and ``dyc`` as those do (``config.fused``). ``dw_config``:
   the dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as
   :func:`_products` hands them); the other arguments as :func:`dx_pallas`'s."""
-  if config.dx_split > 1:  # its partial tiles would need dx_pallas's reduction launch
+  if config.dx_split > 1:  # its arrival counters and partial tiles are dx_pallas's alone
     raise ValueError(f"grads_pallas: needs dx_split=1, got dx_split={config.dx_split}.")
   dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
-                                                  accumulator, zero_rows)
+                                                  accumulator, zero_rows, interpret)
   lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
   dw = _dw_plan(lhs, rhs, dw_config, precision, interpret)
   accumulate = accumulator is not None
