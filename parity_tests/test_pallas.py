@@ -189,6 +189,55 @@ def test_dropped_rows_that_are_not_zero(interpret, policy, split):
          config=config)
 
 
+def _bf16_as_float64(a) -> np.ndarray:
+  return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+
+def _sum_rounding_partials(terms: np.ndarray, block: int) -> np.ndarray:
+  """``terms.sum(0)`` with the running sum rounded to bfloat16 after every ``block`` terms: what a
+  GEMM that keeps its partial sums in bfloat16 returns (XLA:GPU's bfloat16 GEMM on such shapes,
+  benchmarks/NOTES.md "XLA:GPU's bfloat16 GEMM")."""
+  total = np.zeros(terms.shape[1:])
+  for start in range(0, len(terms), block):
+    total = _bf16_as_float64(total + terms[start:start + block].sum(0))
+  return total
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("split", [{}, DX_SPLIT, DW_SPLIT], ids=["plain", "dx_split", "dw_split"])
+@pytest.mark.parametrize("product", ["dw", "dx"])
+def test_long_contractions_that_cancel_accumulate_in_float32(interpret, split, product):
+  # bfloat16 products over ~125 kept rows (dW) or 500 columns (dX) whose sum cancels to a
+  # fraction of its terms: within bfloat16's tolerance of float64 when summed in float32, as the
+  # contract says; summed with bfloat16 partials every 16 terms (a row block, a step of N) they
+  # miss it by 5-10x (seeds picked so). Checked by mutation: running sums rounded to bfloat16
+  # fail every case of their product, and a dX split's partial tiles rounded so fail its case.
+  if product == "dw":
+    rng = np.random.default_rng(1177)
+    x = rng.standard_normal((251, 1))
+    kept = rng.random(251) < 0.5
+    dy = rng.standard_normal((251, 6)) * kept[:, None]
+    kernel = np.ones((1, 6))
+  else:
+    rng = np.random.default_rng(281)
+    dy = rng.standard_normal((8, 500))
+    kernel = rng.standard_normal((1, 500))
+    x = np.ones((8, 1))
+  x, kernel, dy = (jnp.asarray(a, jnp.bfloat16) for a in (x, kernel, dy))
+  config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **split})
+  got = dict(zip(("dx", "dw"), jax.jit(lambda x, k, dy: pallas_backend.backward(
+    x, k, dy, policy=RowPolicy(), interpret=interpret, config=config))(x, kernel, dy)))[product]
+  x64, kernel64, dy64 = (_bf16_as_float64(a) for a in (x, kernel, dy))
+  if product == "dw":
+    # In the kept rows' order, as the kernel sums them once compacted.
+    want, terms = x64.T @ dy64, (x64[:, :, None] * dy64[:, None, :])[kept]
+  else:
+    want, terms = dy64 @ kernel64.T, (dy64 * kernel64).T[:, :, None]
+  assert_close(got, want, jnp.bfloat16, what=product)
+  with pytest.raises(AssertionError, match="elements differ"):
+    assert_close(_sum_rounding_partials(terms, 16), want, jnp.bfloat16, what="bf16 partials")
+
+
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("split", [{}, DX_SPLIT, DW_SPLIT], ids=["plain", "dx_split", "dw_split"])
 def test_nonfinite_rows_reach_dx_and_dw(interpret, split):
