@@ -98,12 +98,14 @@ def sebp_backward(impl: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
   return backward
 
 
-def _with_plan(impl: str, input_sets: Sequence[tuple]) -> Sequence[tuple]:
-  """``input_sets``, each with its row plan (the non-zero rows of its ``dy``) for a ``-plan``
-  impl."""
-  if not impl.endswith("-plan"):
-    return input_sets
+def with_row_plans(input_sets: Sequence[tuple]) -> list[tuple]:
+  """``(x, kernel, dy)`` input sets, each with its row plan: the non-zero rows of its ``dy``."""
   return [(x, kernel, dy, row_plan(jnp.any(dy != 0, axis=1))) for x, kernel, dy in input_sets]
+
+
+def _with_plan(impl: str, input_sets: Sequence[tuple]) -> Sequence[tuple]:
+  """``input_sets``, each with its row plan for a ``-plan`` impl."""
+  return with_row_plans(input_sets) if impl.endswith("-plan") else input_sets
 
 
 def ideal_backward(x_rows, kernel, dy_rows):

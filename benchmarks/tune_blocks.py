@@ -23,10 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import profile_step
-from benchmarks.layer import ideal_backward, sebp_backward
+from benchmarks.layer import ideal_backward, sebp_backward, with_row_plans
 from benchmarks.layer_shapes import LAYER_SHAPES, padded_gradient
 from benchmarks.timing import device_time_ms, environment
-from sebp_jax import row_plan
 from sebp_jax.backends import pallas as pallas_backend
 from sebp_jax.backends import xla as xla_backend
 from sebp_jax.policy import RowPolicy, keep_mask
@@ -192,8 +191,9 @@ def main() -> None:
     for fraction in args.fractions:
       sets = [padded_gradient(shape, fraction, dtype, seed) for seed in range(args.reps)]
       # The inputs of a configuration's backward: the layer's, and its row plan where planned.
-      config_sets = [(*s[:3], row_plan(jnp.any(s[2] != 0, axis=1))) if args.planned else s[:3]
-                     for s in sets]
+      config_sets = [s[:3] for s in sets]
+      if args.planned:
+        config_sets = with_row_plans(config_sets)
       x, w, dy, count = sets[0]
       expected = _DENSE_BACKWARD(x, w, dy)
       keep = np.asarray(jnp.max(jnp.abs(dy), axis=1) > 0)
