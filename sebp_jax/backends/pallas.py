@@ -491,6 +491,15 @@ def _sum_parts(partials_ref, arrivals_ref, slot, part, parts, acc, store, *, bar
     store(total)
 
 
+def _sum_parts_buffers(split: int, slots: int, tile: tuple[int, int]):
+  """What a launch hands :func:`_sum_parts` for ``slots`` split tiles of ``tile`` shape and up to
+  ``split`` parts each: the zeroed arrival counters (an input, aliased to the first of the two
+  outputs), and the shapes of those two outputs: the counters and the float32 partial tiles."""
+  return jnp.zeros((slots,), jnp.int32), (
+    jax.ShapeDtypeStruct((slots,), jnp.int32),
+    jax.ShapeDtypeStruct((split, slots, *tile), jnp.float32))
+
+
 def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int):
   """Programs that share each dX tile's loop over ``N`` for ``count`` kept rows: enough for the
   tiles that have kept rows to occupy the launch's ``programs``, between 1 and ``split``."""
@@ -799,10 +808,10 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   out_shape = dx_shape
   if split > 1:
     split_tiles = split_rows // config.dx_m * (dx_shape.shape[1] // config.dx_k)
+    arrivals, split_shapes = _sum_parts_buffers(split, split_tiles, (config.dx_m, config.dx_k))
     aliases[len(operands)] = 1
-    operands += (jnp.zeros((split_tiles,), jnp.int32),)
-    out_shape = (dx_shape, jax.ShapeDtypeStruct((split_tiles,), jnp.int32),
-                 jax.ShapeDtypeStruct((split, split_tiles, config.dx_m, config.dx_k), jnp.float32))
+    operands += (arrivals,)
+    out_shape = (dx_shape, *split_shapes)
   outputs = _launch(body, out_shape, grid=(programs,), warps=config.dx_warps,
                     stages=config.dx_stages, interpret=interpret, name="sebp_dx",
                     input_output_aliases=aliases or None)(*operands)
@@ -874,11 +883,8 @@ def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLau
   dw_shape = jax.ShapeDtypeStruct((in_features, out_features), xc.dtype)
   if not tail:
     return _DwLaunch(programs, body, (dw_shape,), None)
-  return _DwLaunch(
-    programs + tail * split, body,
-    (dw_shape, jax.ShapeDtypeStruct((tail,), jnp.int32),
-     jax.ShapeDtypeStruct((split, tail, config.dw_k, config.dw_n), jnp.float32)),
-    jnp.zeros((tail,), jnp.int32))
+  arrivals, split_shapes = _sum_parts_buffers(split, tail, (config.dw_k, config.dw_n))
+  return _DwLaunch(programs + tail * split, body, (dw_shape, *split_shapes), arrivals)
 
 
 def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config: BlockConfig,
