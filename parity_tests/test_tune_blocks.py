@@ -4,7 +4,6 @@ each one the kept rows as a row plan instead of scoring ``dy``."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
