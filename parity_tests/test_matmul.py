@@ -12,15 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from parity_tests import reference
 from parity_tests.impls import impl_params, implements
-from parity_tests.jaxprs import dot_output_shapes
+from parity_tests.jaxprs import dot_output_shapes, iter_eqns
 from parity_tests.strategies import THRESHOLD, layer_cases, policies
 from parity_tests.tolerances import assert_close
 from sebp_jax import RowPolicy, sebp_matmul
+from sebp_jax.backends import xla as xla_backend
 from sebp_jax.backends.xla import capacities
 
 IMPLS = impl_params()
@@ -69,6 +70,10 @@ def _cast(case, dtypes, use_bias):
 
 
 def _contract_property(impl, case, data, dtypes):
+  # `impl="dense"` is XLA's own backward, whose products with a unit dimension sum in bf16 on a
+  # GPU (test_matrix_vector_products_accumulate_in_float32): not the contract's to hold it to.
+  assume(not (impl == "dense" and jax.default_backend() == "gpu" and 1 in case.kernel.shape
+              and jnp.bfloat16 in dtypes))
   exact_only = not implements(impl, RowPolicy(max_rows=1))
   policy = RowPolicy() if exact_only else data.draw(policies(case.rows), label="policy")
   use_bias = data.draw(st.booleans(), label="use_bias")
@@ -203,6 +208,35 @@ def test_bfloat16_accumulates_in_float32(impl):
                                          impl=impl)
   assert float(dkernel[0, 0]) == 1.5, "dW must be accumulated in float32"
   assert float(dx[active[0], 0]) == 1.5, "dX must be accumulated in float32"
+
+
+# K = 1 (dW (1, 256), dX (4000, 1)) and N = 1 (dW (256, 1)): products with a unit dimension, which
+# XLA:GPU lowers as reductions summing in their output dtype. With a bf16 output they miss bf16's
+# tolerance in every such case of this size measured on an H200 (benchmarks/NOTES.md,
+# "Matrix-vector products"). 60 % of rows kept: the xla and pallas backends' dense branches. On a
+# CPU every backend passes either way; the GPU run is the check. `impl="dense"` is XLA's own
+# backward, which misses there, and is not held to it.
+@pytest.mark.parametrize("impl", [p for p in IMPLS if p.values[0] != "dense"])
+@pytest.mark.parametrize("k, n", [(1, 256), (256, 1)], ids=["k1", "n1"])
+def test_matrix_vector_products_accumulate_in_float32(impl, k, n):
+  rng = np.random.default_rng(k)
+  x, kernel, _ = _layer((4000,), k, n, seed=k)
+  dy = rng.standard_normal((4000, n)) * (rng.random(4000) < 0.6)[:, None]
+  _check_contract(*(jnp.asarray(a, jnp.bfloat16) for a in (x, kernel)), None,
+                  jnp.asarray(dy, jnp.bfloat16), RowPolicy(), impl)
+
+
+@pytest.mark.parametrize("k, n", [(1, 256), (256, 1), (8, 16)], ids=["k1", "n1", "matrix"])
+def test_only_products_with_a_unit_dimension_ask_for_float32(k, n):
+  # The test above's fix, visible on a CPU: the dense branch's dots with a unit output dimension
+  # return float32 (then rounded once); the others keep bf16, whose float32 output would cost.
+  x, kernel, dy = (jnp.zeros(shape, jnp.bfloat16) for shape in ((40, k), (k, n), (40, n)))
+  jaxpr = jax.make_jaxpr(lambda x, kernel, dy: xla_backend.dense_backward(
+    x, kernel, dy, None, policy=RowPolicy()))(x, kernel, dy)
+  dots = [e.outvars[0].aval for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert sorted(d.shape for d in dots) == sorted([(40, k), (k, n)])
+  for dot in dots:
+    assert dot.dtype == (jnp.float32 if 1 in dot.shape else jnp.bfloat16), dot
 
 
 # --- composition with JAX transformations ------------------------------------------------------

@@ -41,20 +41,38 @@ def capacities(num_rows: int) -> tuple[int, ...]:
   return tuple(sorted(caps))
 
 
+def _dot(a, b, dims, *, precision, dtype):
+  """``lax.dot_general(a, b, dims)`` accumulated in (at least) float32 and returned in ``dtype``.
+
+  XLA:GPU turns a product with a unit output dimension (a matrix-vector product: ``K == 1`` or
+  ``N == 1``) into a reduction that sums in its output dtype: in bfloat16 that misses the
+  float32-accumulated sum by up to 15x bfloat16's tolerance over 4,000 rows, where every product
+  without a unit dimension (cuBLAS or XLA's Triton GEMM) met it in every case measured
+  (``benchmarks/NOTES.md``, "Matrix-vector products"). Those products get a float32 output and one
+  rounding; the output is a vector, so it costs nothing. The others keep ``dtype`` as their output:
+  a float32 ``dW`` then a cast cost up to +7 % of the GEMM (LLaMA's MLP, same note).
+  """
+  (contract_a, contract_b), _ = dims
+  free = ([n for i, n in enumerate(a.shape) if i not in contract_a]
+          + [n for i, n in enumerate(b.shape) if i not in contract_b])
+  out = jnp.promote_types(dtype, jnp.float32) if 1 in free else dtype
+  return lax.dot_general(a, b, dims, precision=precision,
+                         preferred_element_type=out).astype(dtype)
+
+
 def _products(x, kernel, dy, precision, kernel_nk: bool = False):
   """``(dy @ kernel.T, x.T @ dy)``, each ``None`` where its operand is ``None``; with
   ``kernel_nk`` the kernel is stored ``(N, K)``: ``(dy @ kernel, dy.T @ x)``, ``dw`` in that layout.
 
-  Dots accumulate in float32 (XLA does so for bf16 on CPU and GPU) and return the primal dtype.
+  Dots accumulate in float32 (:func:`_dot`) and return the primal dtype.
   """
   dx = None
   if kernel is not None:
-    dx = lax.dot_general(dy, kernel, DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
-                         preferred_element_type=kernel.dtype)
+    dx = _dot(dy, kernel, DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+              dtype=kernel.dtype)
   dw = None
   if x is not None:
-    dw = lax.dot_general(*((dy, x) if kernel_nk else (x, dy)), DW_DIMS, precision=precision,
-                         preferred_element_type=x.dtype)
+    dw = _dot(*((dy, x) if kernel_nk else (x, dy)), DW_DIMS, precision=precision, dtype=x.dtype)
   return dx, dw
 
 
