@@ -292,11 +292,14 @@ def test_partition_kernel(interpret, num_rows, density):
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
-@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 48])
-def test_gather_kernel(interpret, count):
+@pytest.mark.parametrize("programs", [None, 2, 5], ids=["block_each", "two_loop", "five"])
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 40, 48])
+def test_gather_kernel(interpret, programs, count):
   # Two sources of different widths and dtypes, each of several column chunks (dy: 3 chunks of
   # 256 columns, x: 5 of 64), and every program copies one chunk of one source: the kept rows in
-  # perm order, then zeros to the end of the block that holds the last of them.
+  # perm order, then zeros to the end of the block that holds the last of them. Three row blocks:
+  # one program each (the default off GPU), two programs that loop (blocks 0 and 2, block 1), or
+  # more programs than blocks.
   num_rows, block_m = 48, 16
   rng = np.random.default_rng(count)
   dy = jnp.asarray(rng.standard_normal((num_rows, 768)), jnp.bfloat16)
@@ -305,7 +308,8 @@ def test_gather_kernel(interpret, count):
   keep[rng.permutation(num_rows)[:count]] = True
   perm, counted = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
   gathered = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
-    sources, perm, counted, block_m=block_m, interpret=interpret))([dy, x], perm, counted)
+    sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs))(
+      [dy, x], perm, counted)
   written = -(-count // block_m) * block_m
   for source, copy in zip((dy, x), gathered):
     source, copy = np.asarray(source, np.float32), np.asarray(copy, np.float32)

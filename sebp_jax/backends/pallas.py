@@ -390,9 +390,10 @@ def partition_pallas(keep: jax.Array, *, interpret: bool = False):
                  interpret=interpret, name="sebp_partition")(flags)
 
 
-# Columns the gather kernel copies per step, and its warps.
+# Columns the gather kernel copies per step, its warps, and the programs per SM its grid holds.
 _GATHER_COLS = 256
 _GATHER_WARPS = 4
+_GATHER_WAVE = 4
 
 
 def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
@@ -412,42 +413,58 @@ def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
 
 
 def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...],
-                   chunks: tuple[int, ...]):
-  """Program ``(i, c)``: rows ``perm[block i]`` of column chunk ``c`` copied to block ``i``'s
-  contiguous rows of a copy. Chunks are numbered across the sources, first to last, so each
-  program copies one chunk of one source; rows at or past ``count`` as zeros (the one block that
-  straddles it), nothing in the blocks past it."""
+                   chunks: tuple[int, ...], programs: int):
+  """Program ``(p, c)``: column chunk ``c`` of row blocks ``p, p + programs, ...`` that hold kept
+  rows, each block's rows ``perm[block]`` copied to its contiguous rows of a copy. Chunks are
+  numbered across the sources, first to last, so each program copies one chunk of one source;
+  rows at or past ``count`` as zeros (the one block that straddles it), nothing in the blocks past
+  it."""
   sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
-  start = pl.program_id(0) * block_m
+  program = pl.program_id(0)
   chunk = pl.program_id(1)
   count = count_ref[0]
-  load = _kept_rows(perm_ref, count, start, block_m, compact=False)
-  live = (start < count).astype(jnp.int32)
+  # Blocks program, program + programs, ... below the last block that holds a kept row.
+  trips = pl.cdiv(jnp.maximum(pl.cdiv(count, block_m) - program, 0), programs)
   first = 0
   for source, copy, cols, own_chunks in zip(sources, copies, block_cols, chunks):
     local = chunk - first
-    mine = live * ((local >= 0) & (local < own_chunks)).astype(jnp.int32)
+    mine = ((local >= 0) & (local < own_chunks)).astype(jnp.int32)
 
-    def step(_, carry, source=source, copy=copy, span=pl.ds(local * cols, cols)):
+    def step(j, carry, source=source, copy=copy, span=pl.ds(local * cols, cols)):
+      start = (program + j * programs) * block_m
+      load = _kept_rows(perm_ref, count, start, block_m, compact=False)
       copy[pl.ds(start, block_m), span] = load(source, span)
       return carry
 
-    # A loop of 0 or 1 trips rather than a branch (an integer flag, not a select: see _dx_kernel).
-    lax.fori_loop(0, mine, step, jnp.int32(0))
+    # No trips for another source's chunk: an integer product, not a select (see _dx_kernel).
+    lax.fori_loop(0, mine * trips, step, jnp.int32(0))
     first += own_chunks
 
 
-def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False):
+def _gather_programs(row_blocks: int, chunks: int) -> int:
+  """Programs per column chunk of the gather: one per row block, or, on a GPU, as many as make
+  ``_GATHER_WAVE`` programs per SM over all chunks if that is fewer."""
+  sms = _sm_count()
+  if sms is None:
+    return row_blocks
+  return max(1, min(row_blocks, -(-_GATHER_WAVE * sms // chunks)))
+
+
+def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False,
+                  programs: int | None = None):
   """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``.
 
   Row ``i < count`` of a copy is row ``perm[i]`` of its source; rows ``count ..
   round_up(count, block_m) - 1`` are zero; the rows past those are never written (whatever the
   allocator left there: readers stop at that block). ``M`` must be a multiple of ``block_m``.
 
-  The grid is row blocks times column chunks of every source: with few kept rows (LLaMA-3B at
-  batch 1: ~80 of 4096, two row blocks) a grid over row blocks alone left two programs to copy
-  11,264 columns each, one chunk after another: 0.048 ms for a layer whose whole backward is
-  0.18 ms (results/v8_h100/tune_fewrows_h100.json).
+  The grid is ``programs`` (default :func:`_gather_programs`) times column chunks of every
+  source, each program looping over its row blocks up to ``count``'s. Column chunks: with few
+  kept rows (LLaMA-3B at batch 1: ~80 of 4096, two row blocks) a grid over row blocks alone left
+  two programs to copy 11,264 columns each, one chunk after another: 0.048 ms for a layer whose
+  whole backward is 0.18 ms (results/v8_h100/tune_fewrows_h100.json). A loop over row blocks:
+  one program per row block and chunk was thousands of programs for a few live ones (3,840 for
+  BERT's FFN up), ~8 µs a launch for ~1 µs of bytes (benchmarks/NOTES.md, "v30").
   """
   num_rows = sources[0].shape[0]
   # The widest power of two up to _GATHER_COLS that divides the width (widths are whole tiles).
@@ -455,9 +472,12 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   for source, cols in zip(sources, block_cols):
     assert source.shape[0] == num_rows and source.shape[1] % cols == 0, (source.shape, cols)
   chunks = tuple(s.shape[1] // cols for s, cols in zip(sources, block_cols))
-  body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols, chunks=chunks)
+  if programs is None:
+    programs = _gather_programs(num_rows // block_m, sum(chunks))
+  body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols, chunks=chunks,
+                           programs=programs)
   return _launch(body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources),
-                 grid=(num_rows // block_m, sum(chunks)), warps=_GATHER_WARPS, stages=2,
+                 grid=(programs, sum(chunks)), warps=_GATHER_WARPS, stages=2,
                  interpret=interpret, name="sebp_gather")(count, perm, *sources)
 
 
