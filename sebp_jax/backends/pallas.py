@@ -8,8 +8,9 @@ The plan (DESIGN §5, v5: compact first):
   ``count``, one program per chunk of rows (each sums the flags before its chunk itself, so no
   second launch carries offsets between programs);
 * **gather kernel**: copies the kept rows of ``x`` and ``dy`` into contiguous buffers ``xc`` and
-  ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). Programs past ``count`` copy
-  nothing; the one that straddles ``count`` writes zeros past it, so the GEMMs below never mask.
+  ``dyc`` (row ``i`` of ``dyc`` is row ``perm[i]`` of ``dy``). A few programs per SM and column
+  chunk loop over the row blocks below ``count``; the block that straddles ``count`` gets zeros
+  past it, so the GEMMs below never mask.
   Vocabulary-wide layers (``compact=False``) skip it: their copy of ``dy`` would be as large as
   ``dy`` itself (1 GB for LLaMA's head at 4096 tokens), a peak-memory cost dense does not have,
   so the GEMMs read the kept rows in place through ``perm`` and mask the rows past ``count``;
