@@ -397,6 +397,12 @@ _GATHER_WARPS = 4
 _GATHER_WAVE = 4
 
 
+def _strided_trips(items, first, stride):
+  """How many of the items ``first, first + stride, ...`` lie below ``items``: the trip count of a
+  persistent program that takes every ``stride``-th item from ``first`` (none from past it)."""
+  return pl.cdiv(jnp.maximum(items - first, 0), stride)
+
+
 def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
   """Reader of the kept rows at compacted positions ``start .. start + block_m - 1``: ``ref ->
   load(ref, cols)``. Compacted operands hold them as contiguous rows (zero past ``count``); in
@@ -425,7 +431,7 @@ def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[i
   chunk = pl.program_id(1)
   count = count_ref[0]
   # Blocks program, program + programs, ... below the last block that holds a kept row.
-  trips = pl.cdiv(jnp.maximum(pl.cdiv(count, block_m) - program, 0), programs)
+  trips = _strided_trips(pl.cdiv(count, block_m), program, programs)
   first = 0
   for source, copy, cols, own_chunks in zip(sources, copies, block_cols, chunks):
     local = chunk - first
@@ -446,7 +452,7 @@ def _gather_programs(row_blocks: int, chunks: int) -> int:
   """Programs per column chunk of the gather: one per row block, or, on a GPU, as many as make
   ``_GATHER_WAVE`` programs per SM over all chunks if that is fewer."""
   sms = _sm_count()
-  if sms is None:
+  if not sms:
     return row_blocks
   return max(1, min(row_blocks, -(-_GATHER_WAVE * sms // chunks)))
 
@@ -584,7 +590,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   gemm_items = live_tiles * parts
   zero_items = 0 if accumulate or not zero_rows else (
     (dx_ref.shape[0] // block_m - live_blocks) * col_blocks)
-  trips = pl.cdiv(jnp.maximum(gemm_items - program, 0), programs)
+  trips = _strided_trips(gemm_items, program, programs)
   # The zero items go to the programs the GEMM leaves idle where those can store them all in
   # the time of one GEMM item (counted in bytes moved: a step loads a `dy` and a weight tile, a
   # zero tile is one store), so the GEMM's programs finish no later for them; else every
@@ -599,7 +605,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                               >= zero_items * (zero_bytes // unit))).astype(jnp.int32)
   zero_stride = has_spare * spare + (1 - has_spare) * programs
   first_zero = program + (1 - has_spare) * trips * programs - gemm_items
-  zero_trips = pl.cdiv(jnp.maximum(zero_items - first_zero, 0), zero_stride) * (
+  zero_trips = _strided_trips(zero_items, first_zero, zero_stride) * (
     first_zero >= 0).astype(jnp.int32)
 
   def item(i, carry):
@@ -725,7 +731,8 @@ def _dw_kernel(count_ref, perm_ref, xc_ref, dyc_ref, *refs,
     if programs == whole_tiles:  # one tile per program: no loop around it at all
       whole_tile(0, None)
     else:
-      lax.fori_loop(0, pl.cdiv(whole_tiles - program, programs), whole_tile, jnp.int32(0))
+      lax.fori_loop(0, _strided_trips(whole_tiles, program, programs), whole_tile,
+                    jnp.int32(0))
 
   if not tail_tiles:
     program_whole_tiles()
