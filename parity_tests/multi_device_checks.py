@@ -59,16 +59,18 @@ def _inputs():
 
 def _loss(matmul, gather=lambda w: w, matmuls=None):
   """Sum of squares of a 2-layer MLP on the real tokens only (padding rows get zero dY). With
-  ``matmuls`` (``(x, kernels) -> products``), the first layer runs as two siblings, each half of
-  its columns."""
+  ``matmuls`` (``(x, kernels, biases) -> outputs``), the first layer runs as two siblings, each
+  half of its columns, with the bias ``params[2]``."""
   real = (jnp.arange(T) < REAL)[None, :, None]
 
   def loss(params, x):
-    w1, w2 = (gather(w) for w in params)
+    w1, w2, *bias = (gather(w) for w in params)
     if matmuls is None:
       h = matmul(x, w1)
     else:
-      h = jnp.concatenate(matmuls(x, (w1[:, :H // 2], w1[:, H // 2:])), axis=-1)
+      halves = (slice(None, H // 2), slice(H // 2, None))
+      h = jnp.concatenate(matmuls(x, tuple(w1[:, half] for half in halves),
+                                  tuple(bias[0][half] for half in halves)), axis=-1)
     return jnp.sum(jnp.where(real, matmul(jnp.tanh(h), w2), 0.0) ** 2)
 
   return loss
@@ -149,14 +151,16 @@ def main(impl: str, cases: list[str]) -> None:
     sebp_mm = planned_mm if planned else scoring_mm
     layout = layout.removesuffix("_planned")
     sebp_loss_of, dense_loss_of = _loss, _loss
-    if siblings:
-      plan_rows = row_plan(jnp.broadcast_to(jnp.arange(T) < REAL, (B, T)), check=True)
-      sebp_mms = lambda a, ws: sebp_matmuls(  # noqa: E731
-        a, ws, impl=impl, rows=plan_rows if planned else None)
-      sebp_loss_of = lambda mm, gather=lambda w: w: _loss(mm, gather, sebp_mms)  # noqa: E731
-      dense_loss_of = lambda mm, gather=lambda w: w: _loss(  # noqa: E731
-        mm, gather, lambda a, ws: tuple(a @ w for w in ws))
     case_dense_mm, case_params, case_reference = dense_mm, params, reference
+    if siblings:  # with a bias, whose gradient the shared gather sums
+      plan_rows = row_plan(jnp.broadcast_to(jnp.arange(T) < REAL, (B, T)), check=True)
+      sebp_mms = lambda a, ws, bs: sebp_matmuls(  # noqa: E731
+        a, ws, bs, impl=impl, rows=plan_rows if planned else None)
+      dense_mms = lambda a, ws, bs: tuple(a @ w + b for w, b in zip(ws, bs))  # noqa: E731
+      sebp_loss_of = lambda mm, gather=lambda w: w: _loss(mm, gather, sebp_mms)  # noqa: E731
+      dense_loss_of = lambda mm, gather=lambda w: w: _loss(mm, gather, dense_mms)  # noqa: E731
+      case_params = params + (jnp.linspace(-1.0, 1.0, H),)
+      case_reference = jax.grad(dense_loss_of(dense_mm))(case_params, x)
     if scanned:
       sebp_loss_of = dense_loss_of = lambda mm, gather=lambda w: w: _scanned_loss(mm)  # noqa: E731
       case_params = tuple(jnp.stack([w, w[::-1] * 0.5]) for w in params)  # two distinct layers
@@ -180,11 +184,12 @@ def main(impl: str, cases: list[str]) -> None:
         with sharded_rows(axes):
           return sebp_loss_of(sebp_mm)(params, x)
 
+      # Weights as w_spec; a bias (siblings) replicated.
+      shardings = (w_sharding,) * 2 + (NamedSharding(mesh, P()),) * (len(case_params) - 2)
       with jax.set_mesh(mesh):
         _check(case, impl, sebp_loss, dense_loss_of(case_dense_mm), case_params, x,
-               case_reference,
-               in_shardings=((w_sharding,) * 2, NamedSharding(mesh, x_spec)),
-               out_shardings=(w_sharding,) * 2)
+               case_reference, in_shardings=(shardings, NamedSharding(mesh, x_spec)),
+               out_shardings=shardings)
     elif layout == "explicit":
       # Batch over both axes, weights stored FSDP-sharded and gathered before use.
       mesh = jax.make_mesh(two_d, ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)

@@ -307,14 +307,19 @@ def test_gather_kernel(interpret, programs, count):
   keep = np.zeros(num_rows, bool)
   keep[rng.permutation(num_rows)[:count]] = True
   perm, counted = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
-  gathered = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
-    sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs))(
-      [dy, x], perm, counted)
+  gathered, (dy_sum,) = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
+    sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs,
+    summed=(0,)))([dy, x], perm, counted)
   written = -(-count // block_m) * block_m
   for source, copy in zip((dy, x), gathered):
     source, copy = np.asarray(source, np.float32), np.asarray(copy, np.float32)
     np.testing.assert_array_equal(copy[:count], source[np.nonzero(keep)[0]])
     np.testing.assert_array_equal(copy[count:written], 0.0)
+  # dy's float32 column sums over the kept rows (bias gradients), from every program's partial
+  # row, zeros for programs without a kept block.
+  assert dy_sum.dtype == jnp.float32 and dy_sum.shape == (768,)
+  np.testing.assert_allclose(dy_sum, np.asarray(dy, np.float32)[keep].sum(axis=0), rtol=1e-5,
+                             atol=1e-4)
 
 
 def test_reference_mask_agrees_with_count():
@@ -689,11 +694,13 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
   assert "stablehlo.gather" not in text
 
 
+@pytest.mark.parametrize("column_sums", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])
-def test_sibling_groups_lower_to_triton_ir(planned):
+def test_sibling_groups_lower_to_triton_ir(planned, column_sums):
   # q, k and v of LLaMA-3B-like widths: one gather of x and the three dy (four sources of
-  # different widths), then dX (the later two accumulating) and dW per sibling; scored (exact
-  # policy, default crossover), one partition of the union of their rows before it.
+  # different widths; with biases, it sums the dys' rows too), then dX (the later two
+  # accumulating) and dW per sibling; scored (exact policy, default crossover), one partition of
+  # the union of their rows before it.
   from jax import export
 
   mask = jax.ShapeDtypeStruct((512,), jnp.bool_)
@@ -704,7 +711,7 @@ def test_sibling_groups_lower_to_triton_ir(planned):
   def backward(mask, x, kq, kk, kv, dq, dk, dv):
     return pallas_backend.siblings_backward(
       x, (kq, kk, kv), (dq, dk, dv), policy=RowPolicy(), crossover=1.0 if planned else None,
-      plan=row_plan(mask) if planned else None)
+      plan=row_plan(mask) if planned else None, column_sums=column_sums)
   exported = export.export(
     jax.jit(backward), platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,

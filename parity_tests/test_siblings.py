@@ -157,12 +157,91 @@ def test_rows_declared_unsharded_take_the_per_sibling_path():
     assert_close(dw, want, "float32")
 
 
+def _biases(dtype, with_none=False):
+  """One bias per sibling (the middle one ``None`` with ``with_none``)."""
+  rng = np.random.default_rng(11)
+  biases = [jnp.asarray(rng.standard_normal(n), dtype) for n in FEATURES]
+  if with_none:
+    biases[1] = None
+  return tuple(biases)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, policy", [
+  ("planned", sebp_jax.RowPolicy()),
+  ("scored", sebp_jax.RowPolicy()),
+  ("scored", sebp_jax.RowPolicy(threshold=0.5)),
+  ("scored", sebp_jax.RowPolicy(max_rows=4)),
+], ids=["planned", "scored exact", "threshold", "top-n"])
+def test_bias_gradients_are_full_row_sums(impl, dtype, rows, policy):
+  # Inside the rule, summed by the shared gather where there is one (exact policy, plan), else
+  # by XLA; under every policy the full float32 row sum of each dy, as dense autodiff's. The
+  # products' gradients are those of sebp_matmuls without biases (the same rule).
+  mask, x, kernels, dys = _case(dtype, seed=8, same_rows=rows == "planned")
+  biases = _biases(dtype, with_none=True)
+  plan = row_plan(jnp.asarray(mask)) if rows == "planned" else None
+  fn = lambda x, ks, bs: sebp_matmuls(x, ks, bs, policy=policy, impl=impl, rows=plan)  # noqa: E731
+  ys, vjp = jax.vjp(fn, x, kernels, biases)
+  dx, dws, dbs = vjp(dys)
+  for y, kernel, bias in zip(ys, kernels, biases):
+    want = x @ kernel if bias is None else x @ kernel + bias
+    assert y.dtype == jnp.dtype(dtype)
+    assert_close(y, want, dtype, what="y")
+  assert dbs[1] is None
+  for index in (0, 2):
+    want = jnp.sum(dys[index].astype(jnp.float32), axis=(0, 1)).astype(dtype)
+    assert dbs[index].dtype == jnp.dtype(dtype)
+    assert_close(dbs[index], want, dtype, what=f"db[{index}]")
+  without = _grads(lambda x, ks: sebp_matmuls(x, ks, policy=policy, impl=impl, rows=plan), x,
+                   kernels, dys)
+  assert_close(dx, without[0], dtype, what="dx")
+  for dw, want in zip(dws, without[1]):
+    assert_close(dw, want, dtype, what="dw")
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+def test_the_shared_gather_sums_the_bias_gradients(planned):
+  # No reduction of a whole dy in the backward: the bias gradients come out of the gather (a few
+  # partial rows, summed), not from XLA reading each (rows, N_i) dy again.
+  mask, x, kernels, dys = _case("float32", seed=9)
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+  fn = lambda x, ks, bs: sebp_matmuls(x, ks, bs, impl="interpret", rows=plan)  # noqa: E731
+  _, vjp = jax.vjp(fn, x, kernels, _biases("float32"))
+  # Reductions of matrices: the interpreted gather's over a tile's rows and XLA's over its
+  # partial rows, both fewer than dy's 18 rows; none over dy itself, (2, 9, N_i) or (18, N_i).
+  reduced = [tuple(eqn.invars[0].aval.shape) for eqn in iter_eqns(jax.make_jaxpr(vjp)(dys))
+             if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.ndim > 1]
+  assert reduced and not [shape for shape in reduced
+                          if shape[:2] == SHAPE or shape[0] >= SHAPE[0] * SHAPE[1]], reduced
+  dbs = vjp(dys)[2]
+  for db, dy in zip(dbs, dys):
+    assert_close(db, jnp.sum(dy, axis=(0, 1)), "float32")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_row_reaches_the_bias_gradient(impl):
+  # A row with a NaN is kept (the exact policy never drops what it cannot prove zero), so the
+  # gather's sum carries it.
+  mask, x, kernels, dys = _case("float32", seed=10)
+  dys = (dys[0].at[1, 1, 2].set(jnp.nan),) + dys[1:]
+  _, vjp = jax.vjp(lambda x, ks, bs: sebp_matmuls(x, ks, bs, impl=impl), x, kernels,
+                   _biases("float32"))
+  dbs = vjp(dys)[2]
+  assert np.isnan(np.asarray(dbs[0])[2]) and np.isfinite(np.delete(np.asarray(dbs[0]), 2)).all()
+  assert np.isfinite(np.asarray(dbs[1])).all()
+
+
 def test_bad_input_is_named():
   x = jnp.ones((2, 3, 4))
   with pytest.raises(ValueError, match="`kernels` must hold at least one weight"):
     sebp_matmuls(x, ())
   with pytest.raises(ValueError, match="expects 5"):
     sebp_matmuls(x, (jnp.ones((4, 2)), jnp.ones((5, 2))))
+  with pytest.raises(ValueError, match="one bias .or None. per kernel"):
+    sebp_matmuls(x, (jnp.ones((4, 2)), jnp.ones((4, 3))), (jnp.ones(2),))
+  with pytest.raises(ValueError, match="`bias` must have shape \\(3,\\)"):
+    sebp_matmuls(x, (jnp.ones((4, 2)), jnp.ones((4, 3))), (None, jnp.ones(2)))
 
 
 # --- dense_siblings: the same group through flax.linen and swap_dense ----------------------------

@@ -363,8 +363,10 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
   if not grouped:
     return tuple(module(x) for module in modules)
   # Each layer's __call__ runs twice: first with its product captured (its promoted input and
-  # kernel; the output is dropped), then, once the products have run together, with its product
-  # handed back, so that parameters, promotion, bias and report are the layer's own.
+  # kernel; the output is dropped), then, once the products have run together, with its output
+  # handed back, so that parameters, promotion and report are the layer's own. The biases go
+  # into the group's products (sebp_matmuls sums their gradients in its gather) and the second
+  # call adds none.
   _OPEN.captured = []
   try:
     for module in modules:
@@ -373,10 +375,13 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
   finally:
     _OPEN.captured = None
   dot_general = swaps[0].dot_general
-  ys = sebp_matmuls(captured[0][0], tuple(rhs for _, rhs in captured), policy=dot_general.policy,
-                    impl=dot_general.impl, precision=modules[0].precision,
-                    crossover=dot_general.crossover, rows=dot_general.rows,
-                    name="+".join("/".join(m.path) for m in modules))
+  biases = [None if not module.use_bias
+            else nn.unbox(module.get_variable("params", "bias")).astype(lhs.dtype)  # promoted
+            for module, (lhs, _) in zip(modules, captured)]
+  ys = sebp_matmuls(captured[0][0], tuple(rhs for _, rhs in captured), biases,
+                    policy=dot_general.policy, impl=dot_general.impl,
+                    precision=modules[0].precision, crossover=dot_general.crossover,
+                    rows=dot_general.rows, name="+".join("/".join(m.path) for m in modules))
   _OPEN.products = list(ys)
   try:
     return tuple(module(x) for module in modules)
@@ -392,7 +397,7 @@ def _capture(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
 
 
 def _handed_back(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """A Dense's product as :func:`dense_siblings` computed it for the group."""
+  """A Dense's output as :func:`dense_siblings` computed it for the group, its bias added."""
   del lhs, rhs, dimension_numbers, precision, preferred_element_type
   return _OPEN.products.pop(0)
 
@@ -436,13 +441,18 @@ def _intercept(next_fun, args, kwargs, context):
     out = _embed_attend(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
   else:
     # Dense and DenseGeneral read their `dot_general` field in __call__: set it for this call.
-    product = (_capture if _OPEN.captured is not None else _handed_back
-               if _OPEN.products is not None else _named(swap.dot_general, path))
+    handing_back = _OPEN.captured is None and _OPEN.products is not None
+    product = (_capture if _OPEN.captured is not None else _handed_back if handing_back
+               else _named(swap.dot_general, path))
+    use_bias = module.use_bias
     object.__setattr__(module, "dot_general", product)
+    if handing_back:  # the output handed back has the bias in it already
+      object.__setattr__(module, "use_bias", False)
     try:
       out = next_fun(*args, **kwargs)
     finally:
       object.__setattr__(module, "dot_general", None)
+      object.__setattr__(module, "use_bias", use_bias)
 
   layer = SwappedLayer(path, kind, _kernel_shape(module, kind), reason)
   if swap.report.add(layer) and reason is not None:

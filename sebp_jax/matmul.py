@@ -2,8 +2,9 @@
 
 The forward is the plain matmul. The backward is a ``jax.custom_vjp`` that picks the kept rows of
 the output gradient (:mod:`sebp_jax.policy`) and hands them to a backend (:mod:`sebp_jax.backends`).
-The bias stays outside the custom rule: its gradient is the full row sum of ``dy`` under every
-policy, which ordinary autodiff already gives.
+A bias's gradient is the full row sum of ``dy`` under every policy. ``sebp_matmul`` leaves its
+bias outside the custom rule, to ordinary autodiff; ``sebp_matmuls`` (siblings of one input) takes
+them inside, where the gather its siblings share sums the rows it copies.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def _backend(impl: str, crossover: float | None):
 
 def _siblings_backend(impl: str, crossover: float | None):
   """:func:`_backend` for sibling products of one input: ``(x, kernels, dys, *, policy,
-  precision, plan) -> (dx, dws)``, ``dx`` summed over the siblings."""
+  precision, plan, column_sums) -> (dx, dws, dbs)``, ``dx`` summed over the siblings, ``dbs``
+  the float32 column sums of ``dys`` (``None`` without ``column_sums``)."""
   if impl == "xla":
-    return functools.partial(xla_backend.accumulate_siblings, xla_backend.backward)
+    return xla_backend.siblings_backward
   from sebp_jax.backends import pallas as pallas_backend
   return functools.partial(pallas_backend.siblings_backward, interpret=(impl == "interpret"),
                            crossover=crossover)
@@ -253,32 +255,48 @@ def sebp_matmul(
     # The sebp_jax.sharded_rows in effect now, when the forward is traced.
     y = _sebp_product(policy, impl, crossover, precision, name, current_row_sharding(),
                       out_dtype, transpose_kernel, x, kernel, plan)
-  if bias is not None:
-    # Added in (at least) float32 and rounded once: the same value as a low-precision add, and
-    # autodiff of it sums the bias gradient over the rows in float32, as the contract asks.
-    wide = jnp.promote_types(y.dtype, jnp.float32)
-    y = (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
-  return y
+  # Outside the custom rule: autodiff of the add is the bias gradient, dy's full row sum.
+  return _plus_bias(y, bias)
+
+
+def _plus_bias(y, bias):
+  """``y + bias``, added in (at least) float32 and rounded once to ``y``'s dtype: the same value
+  as a low-precision add, and its bias gradient a float32 row sum."""
+  if bias is None:
+    return y
+  wide = jnp.promote_types(y.dtype, jnp.float32)
+  return (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def _sebp_siblings(policy: RowPolicy, impl: str, crossover, precision, name,
-                   sharding: RowSharding | None, x, kernels, plan):
-  return tuple(_forward(x, kernel, precision) for kernel in kernels)
+                   sharding: RowSharding | None, x, kernels, biases, plan):
+  return tuple(_plus_bias(_forward(x, kernel, precision), bias)
+               for kernel, bias in zip(kernels, biases))
 
 
-def _sebp_siblings_fwd(policy, impl, crossover, precision, name, sharding, x, kernels, plan):
-  ys = tuple(_forward(x.value, kernel.value, precision) for kernel in kernels)
+def _sebp_siblings_fwd(policy, impl, crossover, precision, name, sharding, x, kernels, biases,
+                       plan):
+  values = [None if bias is None else bias.value for bias in biases]
+  ys = tuple(_plus_bias(_forward(x.value, kernel.value, precision), bias)
+             for kernel, bias in zip(kernels, values))
   plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
-  return ys, (x.value, tuple(kernel.value for kernel in kernels), plan)
+  # The biases (a few hundred numbers each) for their dtypes: their gradients are sums of `dy`.
+  return ys, (x.value, tuple(kernel.value for kernel in kernels), tuple(values), plan)
 
 
 def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, residuals, dys):
-  x, kernels, plan = residuals
+  x, kernels, biases, plan = residuals
+  bias_dtypes = [None if bias is None else bias.dtype for bias in biases]
   used = [index for index, dy in enumerate(dys) if not isinstance(dy, SymbolicZero)]
   dws = [jnp.zeros_like(kernel) for kernel in kernels]
+  dbs = [None if dtype is None else jnp.zeros(kernel.shape[1:], dtype)
+         for kernel, dtype in zip(kernels, bias_dtypes)]
   if not used:
-    return jnp.zeros_like(x), tuple(dws), None
+    return jnp.zeros_like(x), tuple(dws), tuple(dbs), None
+  # The bias gradients, where any used sibling has a bias: the column sums of every used `dy`,
+  # which a shared gather takes from the rows it copies anyway.
+  column_sums = any(bias_dtypes[index] is not None for index in used)
   # The siblings share one backward, each device on its own rows (sebp_jax.sharding): each
   # later one adds its kept rows into the first one's dx in place, and where one set of kept
   # rows is exact for all (a row plan's, or the union under the exact policy) one gather
@@ -289,15 +307,18 @@ def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, resid
     if plan is not None and plan.check:  # on this device's rows: no collective
       for index, dy2d in zip(used, group_dys):
         check_plan_covers(plan, dy2d, f"{name or 'sebp_matmuls'}[{index}]")
-    dx2d, group_dws = group(x2d, list(group_kernels), list(group_dys), policy=policy,
-                            precision=precision, plan=plan)
-    return dx2d, tuple(group_dws)
-  dx, used_dws = per_shard_backward(backward, x, tuple(kernels[index] for index in used),
-                                    tuple(dys[index].astype(x.dtype) for index in used),
-                                    sharding, plan=plan)
+    dx2d, group_dws, group_dbs = group(x2d, list(group_kernels), list(group_dys), policy=policy,
+                                       precision=precision, plan=plan, column_sums=column_sums)
+    return dx2d, (tuple(group_dws), tuple(group_dbs or ()))
+  dx, (used_dws, used_dbs) = per_shard_backward(
+    backward, x, tuple(kernels[index] for index in used),
+    tuple(dys[index].astype(x.dtype) for index in used), sharding, plan=plan)
   for index, dw in zip(used, used_dws):
     dws[index] = dw
-  return dx, tuple(dws), None
+  for index, db in zip(used, used_dbs):
+    if bias_dtypes[index] is not None:
+      dbs[index] = db.astype(bias_dtypes[index])
+  return dx, tuple(dws), tuple(dbs), None
 
 
 _sebp_siblings.defvjp(_sebp_siblings_fwd, _sebp_siblings_bwd, symbolic_zeros=True)
@@ -306,6 +327,7 @@ _sebp_siblings.defvjp(_sebp_siblings_fwd, _sebp_siblings_bwd, symbolic_zeros=Tru
 def sebp_matmuls(
   x: jax.Array,
   kernels,
+  biases=None,
   *,
   policy: RowPolicy = RowPolicy(),
   impl: str = "auto",
@@ -314,8 +336,8 @@ def sebp_matmuls(
   rows: RowPlan | None = None,
   name: str | None = None,
 ) -> tuple[jax.Array, ...]:
-  """``tuple(x @ kernel for kernel in kernels)``: sibling projections of one input (q, k and v;
-  gate and up) under one SEBP backward.
+  """``tuple(x @ kernel + bias for kernel, bias in zip(kernels, biases))``: sibling projections
+  of one input (q, k and v; gate and up) under one SEBP backward.
 
   Each product's backward is :func:`sebp_matmul`'s, on its own kept rows, but their ``dx`` are
   summed as they are made: each later sibling's dX kernel adds its kept rows into the first
@@ -326,13 +348,21 @@ def sebp_matmuls(
   in context) each device runs that shared backward on its own rows, as :func:`sebp_matmul`'s
   does; the operands of every sibling must then be sharded alike.
 
+  The biases are inside the rule, unlike :func:`sebp_matmul`'s: their gradients are still the
+  full row sums of each ``dy`` (in float32) under every policy, but where the group shares one
+  gather that gather sums the kept rows it copies, whose dropped rows are zero, instead of XLA
+  reading each ``dy`` again (BERT's q/k/v: 36 reductions a step that run alone, since ``dy``
+  comes out of the attention's backward).
+
   Args:
     x: ``(..., K)`` input, rank >= 2.
     kernels: a sequence of ``(K, N_i)`` weights (Flax layout).
+    biases: ``None``, or one ``(N_i,)`` bias or ``None`` per kernel; each is added in (at least)
+      float32 and the sum rounded once to the output's dtype, as :func:`sebp_matmul` adds it.
     policy, impl, precision, crossover, rows, name: as in :func:`sebp_matmul`.
 
   Returns:
-    One ``(..., N_i)`` output per kernel, in the operands' promoted dtype.
+    One ``(..., N_i)`` output per kernel, in the promoted dtype of ``x`` and the kernels.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jnp.ones((2, 5, 3)).at[:, 3:].set(0.0)
@@ -343,16 +373,21 @@ def sebp_matmuls(
   kernels = tuple(kernels)
   if not kernels:
     raise ValueError("sebp_matmuls: `kernels` must hold at least one weight.")
-  for kernel in kernels:
-    _check_operands(x, kernel, None)
+  biases = (None,) * len(kernels) if biases is None else tuple(biases)
+  if len(biases) != len(kernels):
+    raise ValueError(f"sebp_matmuls: `biases` must hold one bias (or None) per kernel: "
+                     f"{len(kernels)} kernels, {len(biases)} biases.")
+  for kernel, bias in zip(kernels, biases):
+    _check_operands(x, kernel, bias)
   impl = _checked_options("sebp_matmuls", policy, impl, crossover, rows)
   dtype = jnp.result_type(x, *kernels)
   x, kernels = x.astype(dtype), tuple(kernel.astype(dtype) for kernel in kernels)
   if impl == "dense":
-    return tuple(_forward(x, kernel, precision) for kernel in kernels)
+    return tuple(_plus_bias(_forward(x, kernel, precision), bias)
+                 for kernel, bias in zip(kernels, biases))
   plan = rows if rows is not None and rows.applies_to(x) else None
   return _sebp_siblings(policy, impl, crossover, precision, name, current_row_sharding(), x,
-                        kernels, plan)
+                        kernels, biases, plan)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,8 +216,9 @@ def linear_siblings(layers: Sequence[nnx.Module], x: jax.Array) -> tuple[jax.Arr
   Where every layer runs the same SEBP ``dot_general`` (one :func:`swap_linear`, or
   ``SEBPLinear`` layers of one policy) with the same dtype, precision and promotion, their
   products share one backward (:func:`sebp_jax.sebp_matmuls`): each later sibling adds its
-  ``dx`` into the first one's in place, instead of a whole ``dx`` each for XLA to sum. The
-  result is ``nnx.Linear``'s (promotion, product, bias added in the output dtype). Otherwise
+  ``dx`` into the first one's in place, instead of a whole ``dx`` each for XLA to sum, and the
+  biases' gradients come from the rows its gather copies. The result is ``nnx.Linear``'s
+  (promotion, product, and the bias added in float32 and rounded once: its add's value). Otherwise
   (dense layers, mixed policies or dtypes, ``preferred_element_type``) each layer runs as called.
 
   >>> import jax.numpy as jnp
@@ -237,11 +238,11 @@ def linear_siblings(layers: Sequence[nnx.Module], x: jax.Array) -> tuple[jax.Arr
                                   dtype=layer.dtype) for layer in layers]
   if len({inputs.dtype for inputs, _, _ in promoted}) != 1:
     return tuple(layer(x) for layer in layers)
-  ys = sebp_matmuls(promoted[0][0], [kernel for _, kernel, _ in promoted],
-                    policy=dot_general.policy, impl=dot_general.impl,
-                    precision=layers[0].precision, crossover=dot_general.crossover,
-                    rows=dot_general.rows, name=dot_general.name)
-  # nnx.Linear's bias add: in the product's dtype.
-  return tuple(y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-               for y, (_, _, bias) in zip(ys, promoted))
+  # The biases inside the group's rule, whose shared gather sums their gradients; added in
+  # float32 and rounded once, the value of nnx.Linear's add in the product's dtype.
+  return sebp_matmuls(promoted[0][0], [kernel for _, kernel, _ in promoted],
+                      [bias for _, _, bias in promoted], policy=dot_general.policy,
+                      impl=dot_general.impl, precision=layers[0].precision,
+                      crossover=dot_general.crossover, rows=dot_general.rows,
+                      name=dot_general.name)
 

@@ -171,8 +171,10 @@ def _local_backward(backward: Backward, x, kernel, dy, plan: RowPlan | None, *,
       kernel_axes = frozenset() if kernel is None else _varying(kernel)
       axes = tuple(sorted(_varying(dw) - kernel_axes))
     return lax.psum(dw, tuple(axes)) if axes else dw
-  if isinstance(dw, tuple):  # siblings: one dw per kernel
-    return dx, tuple(reduced(d, k) for d, k in zip(dw, kernel))
+  if isinstance(dw, tuple):  # siblings: one dw per kernel, and the column sums of their dys
+    dws, dbs = dw
+    return dx, (tuple(reduced(d, k) for d, k in zip(dws, kernel)),
+                tuple(reduced(db, None) for db in dbs))
   return dx, reduced(dw, kernel)
 
 
@@ -243,7 +245,10 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
 
   Args:
     backward: the backend on 2-D operands, ``(x2d, kernel, dy2d, plan) -> (dx2d, dw)``.
-    x: ``(..., K)`` or ``None``; kernel: ``(K, N)`` or ``None``; dy: ``(..., N)``.
+    x: ``(..., K)`` or ``None``; kernel: ``(K, N)`` or ``None``; dy: ``(..., N)``. Siblings
+      (:func:`sebp_jax.matmul.sebp_matmuls`): tuples of kernels and ``dy``s, and ``dw`` is
+      ``(dws, dbs)``, their ``dW``s and the ``(N_i,)`` column sums of their ``dy``s (bias
+      gradients, as many as asked for), each summed over the devices' rows like ``dW``.
     rows: the :func:`sharded_rows` in effect when the forward was traced.
     plan: a :class:`sebp_jax.RowPlan` of all of ``dy``'s rows, or ``None``. Where the rows are
       sharded, each device plans its own from its part of the plan's mask (a permutation of
@@ -301,6 +306,8 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
   # to reduce as it reduces dense's (_sum_partials).
   partial = not explicit and x is not None
   dw_spec = P(row_axes, k_entry, None) if partial else specs["kernel"]
+  if siblings:  # their dWs, and the column sums of their dys (bias gradients), like dW's
+    dw_spec = (dw_spec, P(row_axes, None) if partial else P(None))
 
   def body(operands):
     local_plan = plan if "keep" not in operands else row_plan(operands["keep"], check=plan.check)

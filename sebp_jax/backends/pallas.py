@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from sebp_jax.backends.xla import (DW_DIMS, DX_DIMS, DX_NK_DIMS, accumulate_siblings,
-                                   dense_backward)
+                                   dense_backward, full_column_sums)
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, keep_mask
 
@@ -420,31 +421,41 @@ def _kept_rows(perm_ref, count, start, block_m: int, *, compact: bool):
 
 
 def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[int, ...],
-                   chunks: tuple[int, ...], programs: int):
+                   chunks: tuple[int, ...], programs: int, summed: tuple[int, ...]):
   """Program ``(p, c)``: column chunk ``c`` of row blocks ``p, p + programs, ...`` that hold kept
   rows, each block's rows ``perm[block]`` copied to its contiguous rows of a copy. Chunks are
   numbered across the sources, first to last, so each program copies one chunk of one source;
   rows at or past ``count`` as zeros (the one block that straddles it), nothing in the blocks past
-  it."""
-  sources, copies = refs[:len(refs) // 2], refs[len(refs) // 2:]
+  it. For each source in ``summed``, the program also stores the float32 sum of the rows it
+  copied, row ``p`` of that source's ``(programs, width)`` partial sums (zeros for no trips)."""
+  num_sources = len(block_cols)
+  sources, copies = refs[:num_sources], refs[num_sources:2 * num_sources]
+  sums = dict(zip(summed, refs[2 * num_sources:]))
   program = pl.program_id(0)
   chunk = pl.program_id(1)
   count = count_ref[0]
   # Blocks program, program + programs, ... below the last block that holds a kept row.
   trips = _strided_trips(pl.cdiv(count, block_m), program, programs)
   first = 0
-  for source, copy, cols, own_chunks in zip(sources, copies, block_cols, chunks):
+  for index, (source, copy, cols, own_chunks) in enumerate(
+      zip(sources, copies, block_cols, chunks)):
     local = chunk - first
     mine = ((local >= 0) & (local < own_chunks)).astype(jnp.int32)
+    span = pl.ds(local * cols, cols)
 
-    def step(j, carry, source=source, copy=copy, span=pl.ds(local * cols, cols)):
+    def step(j, total, source=source, copy=copy, span=span, summing=index in sums):
       start = (program + j * programs) * block_m
       load = _kept_rows(perm_ref, count, start, block_m, compact=False)
-      copy[pl.ds(start, block_m), span] = load(source, span)
-      return carry
+      tile = load(source, span)
+      copy[pl.ds(start, block_m), span] = tile
+      return (total + jnp.sum(tile.astype(jnp.float32), axis=0)) if summing else total
 
     # No trips for another source's chunk: an integer product, not a select (see _dx_kernel).
-    lax.fori_loop(0, mine * trips, step, jnp.int32(0))
+    total = lax.fori_loop(0, mine * trips, step, jnp.zeros((cols,), jnp.float32))
+    if index in sums:
+      @pl.when(mine == 1)
+      def _(total=total, out=sums[index], span=span):
+        out[program, span] = total
     first += own_chunks
 
 
@@ -458,12 +469,16 @@ def _gather_programs(row_blocks: int, chunks: int) -> int:
 
 
 def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False,
-                  programs: int | None = None):
-  """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``.
+                  programs: int | None = None, summed: Sequence[int] = ()):
+  """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``, and the
+  float32 column sums of those rows for the sources indexed by ``summed``: ``(copies, sums)``.
 
   Row ``i < count`` of a copy is row ``perm[i]`` of its source; rows ``count ..
   round_up(count, block_m) - 1`` are zero; the rows past those are never written (whatever the
   allocator left there: readers stop at that block). ``M`` must be a multiple of ``block_m``.
+  ``sums[j]`` is the ``(width,)`` sum over kept rows of ``sources[summed[j]]``: where the dropped
+  rows are zero (the exact policy, a row plan), its whole column sum, a bias gradient, read from
+  the rows the copy reads anyway.
 
   The grid is ``programs`` (default :func:`_gather_programs`) times column chunks of every
   source, each program looping over its row blocks up to ``count``'s. Column chunks: with few
@@ -471,9 +486,11 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   two programs to copy 11,264 columns each, one chunk after another: 0.048 ms for a layer whose
   whole backward is 0.18 ms (results/v8_h100/tune_fewrows_h100.json). A loop over row blocks:
   one program per row block and chunk was thousands of programs for a few live ones (3,840 for
-  BERT's FFN up), ~8 µs a launch for ~1 µs of bytes (benchmarks/NOTES.md, "v30").
+  BERT's FFN up), ~8 µs a launch for ~1 µs of bytes (benchmarks/NOTES.md, "v30"). Each summing
+  program stores one partial row, which XLA adds up (a few dozen rows).
   """
   num_rows = sources[0].shape[0]
+  summed = tuple(summed)
   # The widest power of two up to _GATHER_COLS that divides the width (widths are whole tiles).
   block_cols = tuple(math.gcd(_GATHER_COLS, s.shape[1]) for s in sources)
   for source, cols in zip(sources, block_cols):
@@ -482,10 +499,14 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   if programs is None:
     programs = _gather_programs(num_rows // block_m, sum(chunks))
   body = functools.partial(_gather_kernel, block_m=block_m, block_cols=block_cols, chunks=chunks,
-                           programs=programs)
-  return _launch(body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources),
-                 grid=(programs, sum(chunks)), warps=_GATHER_WARPS, stages=2,
-                 interpret=interpret, name="sebp_gather")(count, perm, *sources)
+                           programs=programs, summed=summed)
+  outputs = _launch(
+    body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources)
+    + tuple(jax.ShapeDtypeStruct((programs, sources[i].shape[1]), jnp.float32) for i in summed),
+    grid=(programs, sum(chunks)), warps=_GATHER_WARPS, stages=2, interpret=interpret,
+    name="sebp_gather")(count, perm, *sources)
+  partials = outputs[len(sources):]
+  return list(outputs[:len(sources)]), [jnp.sum(p, axis=0) for p in partials]
 
 
 def _split_share(total, split, part):
@@ -1020,8 +1041,8 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   if x is not None:
     sources.append(_pad_to(x, (m_pad, _k_pad(in_features, config))))
   if config.compact:
-    sources = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                            interpret=interpret)
+    sources, _ = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                               interpret=interpret)
   dyc, *xc = sources
   masked = keep is not None and dx_into is None
   dx, dw = _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
@@ -1045,8 +1066,8 @@ def _zero_dropped_rows(dx, keep):
 
 def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
                       interpret: bool = False, crossover: float | None = None,
-                      plan: RowPlan | None = None):
-  """SEBP backward of sibling products ``y_i = x @ kernels[i]`` of one input: ``(dx, dws)``,
+                      plan: RowPlan | None = None, column_sums: bool = False):
+  """SEBP backward of sibling products ``y_i = x @ kernels[i]`` of one input: ``(dx, dws, dbs)``,
   ``dx`` the sum of every sibling's.
 
   Where the siblings may share one set of kept rows, they do: a row plan's, or under the exact
@@ -1063,14 +1084,21 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
     kernels: ``(K, N_i)`` weights.
     dys: ``(M, N_i)`` output gradients, one per kernel.
     policy, precision, interpret, crossover, plan: as in :func:`backward`.
+    column_sums: also return each ``dy``'s float32 column sum (the siblings' bias gradients,
+      over every row whatever the policy keeps); ``dbs`` is ``None`` without. Where the group
+      shares one gather, that launch sums the rows it copies, whose dropped rows are zero (the
+      exact policy, a plan), so no reduction reads ``dy`` again: BERT's q/k/v bias sums were 36
+      lone reductions of ``dy`` a step, ~0.38 ms on an H200 (``benchmarks/NOTES.md``, "Next
+      lead ... bias gradients").
   """
   num_rows, in_features = x.shape
   configs = [block_config(num_rows, in_features, dy.shape[1], dy.dtype) for dy in dys]
   if crossover is not None:
     configs = [dataclasses.replace(config, crossover=crossover) for config in configs]
   if not all(config.compact for config in configs) or (plan is None and not policy.is_exact):
-    return accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
-                               interpret=interpret, crossover=crossover, plan=plan)
+    dx, dws = accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
+                                  interpret=interpret, crossover=crossover, plan=plan)
+    return dx, dws, (full_column_sums(dys) if column_sums else None)
   # Row blocks and column padding that fit every sibling's tiles (all powers of two).
   block_m = max(_row_block(config) for config in configs)
   m_pad = _round_up(num_rows, block_m)
@@ -1083,10 +1111,11 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   k_pad = max(_k_pad(in_features, config) for config in configs)
 
   def sparse():
-    xc, *dycs = gather_pallas(
+    (xc, *dycs), sums = gather_pallas(
       [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, _n_pad(dy.shape[1], config)))
                                       for dy, config in zip(dys, configs)],
-      perm, count, block_m=block_m, interpret=interpret)
+      perm, count, block_m=block_m, interpret=interpret,
+      summed=range(1, len(dys) + 1) if column_sums else ())
     dx, dws = None, []
     for kernel, dy, dyc, config in zip(kernels, dys, dycs, configs):
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
@@ -1094,12 +1123,14 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
                          zero_rows=plan is None)  # a plan's select, as in `backward`
       dws.append(dw)
-    return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws
+    dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
+    return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
 
   def dense():
     parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
                             planned=plan is not None) for kernel, dy in zip(kernels, dys)]
-    return functools.reduce(jnp.add, [dx for dx, _ in parts]), [dw for _, dw in parts]
+    return (functools.reduce(jnp.add, [dx for dx, _ in parts]), [dw for _, dw in parts],
+            full_column_sums(dys) if column_sums else None)
 
   threshold = min(config.crossover for config in configs)
   if threshold >= 1.0:  # no dense branch: no conditional at all

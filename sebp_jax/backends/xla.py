@@ -15,8 +15,8 @@ from jax import lax
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["backward", "accumulate_siblings", "dense_backward", "capacities", "DX_DIMS",
-           "DX_NK_DIMS", "DW_DIMS"]
+__all__ = ["backward", "siblings_backward", "accumulate_siblings", "full_column_sums",
+           "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
 
 # Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
 # branches cost compile time and gain nothing.
@@ -169,3 +169,16 @@ def accumulate_siblings(sibling_backward, x, kernels, dys, **options):
     dws.append(dw)
   return dx, dws
 
+
+def full_column_sums(dys):
+  """Each ``(M, N_i)`` ``dy``'s float32 sum over all its rows: the bias gradients, which the
+  contract sums over every row whatever the policy keeps."""
+  return [jnp.sum(dy, axis=0, dtype=jnp.float32) for dy in dys]
+
+
+def siblings_backward(x, kernels, dys, *, column_sums: bool = False, **options):
+  """``(dx, dws, dbs)`` of sibling products ``x @ kernels[i]`` of one input through
+  :func:`backward` (:func:`accumulate_siblings`); ``dbs``: :func:`full_column_sums` of ``dys``
+  with ``column_sums``, else ``None``."""
+  dx, dws = accumulate_siblings(backward, x, kernels, dys, **options)
+  return dx, dws, (full_column_sums(dys) if column_sums else None)
