@@ -7,16 +7,19 @@ from typing import Any, Iterator
 __all__ = ["iter_eqns", "dot_output_shapes", "count_primitive", "count_sebp_rules"]
 
 
-def iter_eqns(jaxpr: Any) -> Iterator[Any]:
+def iter_eqns(jaxpr: Any, *, into_kernels: bool = True) -> Iterator[Any]:
   """Every equation of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) and of the jaxprs nested in
-  its equations' parameters (``pjit``, ``cond`` branches, ``scan`` bodies, custom rules...)."""
+  its equations' parameters (``pjit``, ``cond`` branches, ``scan`` bodies, custom rules...);
+  without ``into_kernels``, not those of Pallas kernel bodies (the program around them only)."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
     yield eqn
+    if not into_kernels and eqn.primitive.name == "pallas_call":
+      continue
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-          yield from iter_eqns(sub)
+          yield from iter_eqns(sub, into_kernels=into_kernels)
 
 
 def dot_output_shapes(jaxpr: Any) -> list[tuple[int, ...]]:

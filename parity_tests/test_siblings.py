@@ -54,6 +54,15 @@ def _dense(x, kernels):
   return tuple(x @ kernel for kernel in kernels)
 
 
+def _biases(dtype, with_none=False):
+  """One bias per sibling (the middle one ``None`` with ``with_none``)."""
+  rng = np.random.default_rng(11)
+  biases = [jnp.asarray(rng.standard_normal(n), dtype) for n in FEATURES]
+  if with_none:
+    biases[1] = None
+  return tuple(biases)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
@@ -111,14 +120,20 @@ def test_inexact_policies_select_per_sibling(policy):
 
 @pytest.mark.parametrize("crossover", [0.1, 0.9], ids=["dense branch", "sparse branch"])
 def test_one_crossover_for_the_group(crossover):
+  # Both branches give the bias gradients too: the gather's sums, or XLA's past the crossover.
   _, x, kernels, dys = _case("float32", seed=7, same_rows=False)
-  fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", crossover=crossover)  # noqa: E731
-  _, vjp = jax.vjp(fn, x, kernels)
-  assert sum(eqn.primitive.name == "cond" for eqn in iter_eqns(jax.make_jaxpr(vjp)(dys))) == 1
-  (dx, dws), (want_dx, want_dws) = _grads(fn, x, kernels, dys), _grads(_dense, x, kernels, dys)
+  biases = _biases("float32")
+  fn = lambda x, ks, bs: sebp_matmuls(x, ks, bs, impl="interpret", crossover=crossover)  # noqa: E731
+  _, vjp = jax.vjp(fn, x, kernels, biases)
+  assert sum(eqn.primitive.name == "cond"  # the kernels' own `pl.when`s are conds too
+             for eqn in iter_eqns(jax.make_jaxpr(vjp)(dys), into_kernels=False)) == 1
+  dx, dws, dbs = vjp(dys)
+  want_dx, want_dws = _grads(_dense, x, kernels, dys)
   assert_close(dx, want_dx, "float32", what="dx")
   for dw, want in zip(dws, want_dws):
     assert_close(dw, want, "float32")
+  for db, dy in zip(dbs, dys):
+    assert_close(db, jnp.sum(dy, axis=(0, 1)), "float32", what="db")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -155,15 +170,6 @@ def test_rows_declared_unsharded_take_the_per_sibling_path():
   assert_close(dx, want_dx, "float32")
   for dw, want in zip(dws, want_dws):
     assert_close(dw, want, "float32")
-
-
-def _biases(dtype, with_none=False):
-  """One bias per sibling (the middle one ``None`` with ``with_none``)."""
-  rng = np.random.default_rng(11)
-  biases = [jnp.asarray(rng.standard_normal(n), dtype) for n in FEATURES]
-  if with_none:
-    biases[1] = None
-  return tuple(biases)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
