@@ -41,6 +41,7 @@ LAYER_SHAPES = {
   "llama_kv_b1": LayerShape(1, 4096, 3072, 1024),
   # The tied LM head (vocabulary 128,256): read in place, not compacted (BlockConfig.compact).
   "llama_head_b1": LayerShape(1, 4096, 3072, 128256),
+  "llama_head_b4": LayerShape(4, 4096, 3072, 128256),
   "llama_up_b4": LayerShape(4, 4096, 3072, 8192),
   "llama_down_b4": LayerShape(4, 4096, 8192, 3072),
   "llama_qo_b4": LayerShape(4, 4096, 3072, 3072),

@@ -46,6 +46,11 @@ CANDIDATES = {
   "dx128_s4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=4),
   "dx128x256_n32_s4": _Config(dx_m=128, dx_k=256, dx_n=32, dx_warps=8, dx_stages=4),
   "dw_w4": _Config(dw_warps=4),
+  # The LM head's dW at a few dozen kept rows: 24,048 128 x 128 tiles of one or two row blocks
+  # each, a store-bound launch (NOTES "v32"): 4 warps, wider tiles, shallower pipelines.
+  "dw_w4_n256": _Config(dw_n=256, dw_warps=4),
+  "dw_w4_s2": _Config(dw_warps=4, dw_stages=2),
+  "dw_w4_m32": _Config(dw_warps=4, dw_m=32),
   # One dW program per SM at 8 warps (151-159 registers, benchmarks/NOTES.md "Launch
   # resources"): BERT FFN's 144 tiles run in 1.09 waves; a 64-wide tile fits three per SM (78
   # registers) and 288 programs run in 0.73 waves.

@@ -154,8 +154,11 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
   # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200, as
   # with_dx_programs sizes these tiles) it takes 0.48 ms, and the layer's backward 2.34 -> 1.63
-  # ms (results/v8_h100/tune_v8_head_h100.json).
-  ("hopper", 2, "vocab"): BlockConfig(dx_split=8),
+  # ms (results/v8_h100/tune_v8_head_h100.json). Its dW, 24,048 tiles of 128 x 128 at LLaMA-3B's
+  # few dozen kept rows, each one or two row blocks then a 32 KB store, runs 34-40 % faster on 4
+  # warps than on 8: 0.84 -> 0.56 ms at 1.6 % kept rows (b1), 1.48 -> 0.93 (b4), 3.93 -> 2.34 at
+  # 5.5 % (b4); wider tiles lost (results/v38_h200/call8/, benchmarks/NOTES.md "v32").
+  ("hopper", 2, "vocab"): BlockConfig(dx_split=8, dw_warps=4),
   # float32: one entry for every class (not re-tuned for v5).
   **{("hopper", 4, shape_class): BlockConfig(dx_n=32, dw_m=32, dw_k=64, dw_n=128, dw_warps=4)
      for shape_class in ("small", "narrow", "wide", "wide_short", "vocab")},
