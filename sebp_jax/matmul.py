@@ -369,6 +369,11 @@ def sebp_matmuls(
   >>> q, k = sebp_matmuls(x, (jnp.ones((3, 4)), jnp.ones((3, 2))), impl="xla")
   >>> q.shape, k.shape
   ((2, 5, 4), (2, 5, 2))
+  >>> loss = lambda x, ws, bs: sum(jnp.sum(y) for y in sebp_matmuls(x, ws, bs, impl="xla"))
+  >>> _, _, (db_q, db_k) = jax.grad(loss, argnums=(0, 1, 2))(
+  ...   x, (jnp.ones((3, 4)), jnp.ones((3, 2))), (jnp.zeros(4), None))
+  >>> db_q.shape, db_k
+  ((4,), None)
   """
   kernels = tuple(kernels)
   if not kernels:
