@@ -19,10 +19,15 @@ __all__ = ["LayerShape", "LAYER_SHAPES", "real_lengths", "padded_gradient"]
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
+  """``batch`` sequences of ``seq_len`` tokens through a ``in_features -> out_features`` layer;
+  ``tied``: its weight is stored ``(out_features, in_features)``, as a tied embedding is (the
+  model's ``transpose_kernel``), which ``benchmarks.tune_blocks`` times in that layout."""
+
   batch: int
   seq_len: int
   in_features: int
   out_features: int
+  tied: bool = False
 
   @property
   def rows(self) -> int:
@@ -40,8 +45,8 @@ LAYER_SHAPES = {
   "llama_qo_b1": LayerShape(1, 4096, 3072, 3072),
   "llama_kv_b1": LayerShape(1, 4096, 3072, 1024),
   # The tied LM head (vocabulary 128,256): read in place, not compacted (BlockConfig.compact).
-  "llama_head_b1": LayerShape(1, 4096, 3072, 128256),
-  "llama_head_b4": LayerShape(4, 4096, 3072, 128256),
+  "llama_head_b1": LayerShape(1, 4096, 3072, 128256, tied=True),
+  "llama_head_b4": LayerShape(4, 4096, 3072, 128256, tied=True),
   "llama_up_b4": LayerShape(4, 4096, 3072, 8192),
   "llama_down_b4": LayerShape(4, 4096, 8192, 3072),
   "llama_qo_b4": LayerShape(4, 4096, 3072, 3072),

@@ -18,16 +18,22 @@ from sebp_jax.plan import RowPlan  # noqa: E402
 TINY = LayerShape(batch=2, seq_len=48, in_features=40, out_features=72)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["kn", "tied"])
 @pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
-def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned):
+def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned, tied):
+  # A tied shape's weight goes to the backward as the model stores it, (N, K), and its dW comes
+  # back in that layout, checked against the dense one transposed.
   backward = tune_blocks.pallas_backend.backward
-  plans = []
+  plans, layouts = [], []
 
-  def recording_backward(*args, plan=None, **kwargs):
+  def recording_backward(x, kernel, *args, plan=None, kernel_nk=False, **kwargs):
     plans.append(plan)
-    return backward(*args, plan=plan, interpret=jax.default_backend() != "gpu", **kwargs)
+    layouts.append((kernel.shape, kernel_nk))
+    return backward(x, kernel, *args, plan=plan, kernel_nk=kernel_nk,
+                    interpret=jax.default_backend() != "gpu", **kwargs)
 
-  monkeypatch.setitem(tune_blocks.LAYER_SHAPES, "tiny", TINY)
+  monkeypatch.setitem(tune_blocks.LAYER_SHAPES, "tiny",
+                      LayerShape(**{**TINY.__dict__, "tied": tied}))
   monkeypatch.setattr(tune_blocks.pallas_backend, "backward", recording_backward)
   out = tmp_path / "tune.json"
   monkeypatch.setattr(sys, "argv", [
@@ -43,3 +49,5 @@ def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned):
     assert rows[name]["rel_err_dx"] < 1e-2 and rows[name]["rel_err_dw"] < 1e-2, rows[name]
     assert rows[name]["ms"] >= 0.0
   assert plans and all(isinstance(plan, RowPlan) == planned for plan in plans)
+  stored = (TINY.out_features, TINY.in_features) if tied else (TINY.in_features, TINY.out_features)
+  assert set(layouts) == {(stored, tied)}
