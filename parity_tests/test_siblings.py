@@ -258,15 +258,17 @@ from sebp_jax.linen import dense_siblings, swap_dot_general  # noqa: E402
 
 
 class _Siblings(nn.Module):
-  """q, k and v of one input, as an attention layer makes them."""
+  """q, k and v of one input, as an attention layer makes them (v without a bias)."""
 
   grouped: bool = True
+  dtype: jnp.dtype | None = None
 
   @nn.compact
   def __call__(self, x):
-    layers = [nn.Dense(n, name=name) for n, name in zip(FEATURES, ("q", "k", "v"))]
+    layers = [nn.Dense(n, use_bias=name != "v", dtype=self.dtype, name=name)
+              for n, name in zip(FEATURES, ("q", "k", "v"))]
     ys = dense_siblings(layers, x) if self.grouped else tuple(layer(x) for layer in layers)
-    return sum(jnp.sum(jnp.sin(y)) for y in ys)
+    return sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in ys)
 
 
 def _module_case():
@@ -302,6 +304,21 @@ def test_one_backward_for_the_group_under_swap_dense(impl):
     forward = str(jax.make_jaxpr(_Siblings().apply)(params, x))
   assert forward.count("custom_vjp_call") == 1  # one rule for q, k and v
   assert [layer.path for layer in report.layers] == [("q",), ("k",), ("v",)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_bfloat16_group_of_float32_parameters(impl):
+  # The layers compute in bfloat16 from float32 parameters: each bias is promoted as nn.Dense
+  # promotes it before it enters the group's rule, and its gradient comes back in float32.
+  x, params = _module_case()
+  model = _Siblings(dtype=jnp.bfloat16)
+  with sebp_jax.swap_dense(impl=impl):
+    outputs = model.apply(params, x)
+  assert_close(outputs, model.apply(params, x), "bfloat16")
+  got = _loss_grads(model, params, x, sebp_jax.swap_dense(impl=impl))
+  want = _loss_grads(_Siblings(grouped=False, dtype=jnp.bfloat16), params, x)
+  assert got[0]["params"]["q"]["bias"].dtype == jnp.float32
+  jax.tree.map(lambda a, b: assert_close(a, b, "bfloat16"), got, want)
 
 
 def test_a_group_the_swap_splits_runs_layer_by_layer():
