@@ -67,7 +67,7 @@ def _siblings_backend(impl: str, crossover: float | None):
   precision, plan, column_sums) -> (dx, dws, dbs)``, ``dx`` summed over the siblings, ``dbs``
   the float32 column sums of ``dys`` (``None`` without ``column_sums``)."""
   if impl == "xla":
-    return xla_backend.siblings_backward
+    return functools.partial(xla_backend.accumulate_siblings, xla_backend.backward)
   from sebp_jax.backends import pallas as pallas_backend
   return functools.partial(pallas_backend.siblings_backward, interpret=(impl == "interpret"),
                            crossover=crossover)

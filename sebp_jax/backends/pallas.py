@@ -1099,9 +1099,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   if crossover is not None:
     configs = [dataclasses.replace(config, crossover=crossover) for config in configs]
   if not all(config.compact for config in configs) or (plan is None and not policy.is_exact):
-    dx, dws = accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
-                                  interpret=interpret, crossover=crossover, plan=plan)
-    return dx, dws, (full_column_sums(dys) if column_sums else None)
+    return accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
+                               interpret=interpret, crossover=crossover, plan=plan,
+                               column_sums=column_sums)
   # Row blocks and column padding that fit every sibling's tiles (all powers of two).
   block_m = max(_row_block(config) for config in configs)
   m_pad = _round_up(num_rows, block_m)

@@ -15,8 +15,8 @@ from jax import lax
 from sebp_jax.plan import RowPlan
 from sebp_jax.policy import RowPolicy, active_first_permutation, keep_mask
 
-__all__ = ["backward", "siblings_backward", "accumulate_siblings", "full_column_sums",
-           "dense_backward", "capacities", "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
+__all__ = ["backward", "accumulate_siblings", "full_column_sums", "dense_backward", "capacities",
+           "DX_DIMS", "DX_NK_DIMS", "DW_DIMS"]
 
 # Smallest capacity worth a branch, and the granularity capacities are rounded up to: small
 # branches cost compile time and gain nothing.
@@ -158,27 +158,21 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan 
   return lax.switch(branch, [*branches, dense])
 
 
-def accumulate_siblings(sibling_backward, x, kernels, dys, **options):
-  """``(dx, dws)`` of sibling products ``x @ kernels[i]`` of one input, ``dx`` summed over them:
-  ``sibling_backward`` (a backend's ``backward``) for each in turn, each adding its ``dx`` into
-  the running sum (``dx_into``). The XLA backend's sibling backward, and the Pallas backend's
+def accumulate_siblings(sibling_backward, x, kernels, dys, *, column_sums: bool = False,
+                        **options):
+  """``(dx, dws, dbs)`` of sibling products ``x @ kernels[i]`` of one input, ``dx`` summed over
+  them: ``sibling_backward`` (a backend's ``backward``) for each in turn, each adding its ``dx``
+  into the running sum (``dx_into``); ``dbs``: :func:`full_column_sums` of ``dys`` with
+  ``column_sums``, else ``None``. The XLA backend's sibling backward, and the Pallas backend's
   where its siblings cannot share one gather."""
   dx, dws = None, []
   for kernel, dy in zip(kernels, dys):
     dx, dw = sibling_backward(x, kernel, dy, dx_into=dx, **options)
     dws.append(dw)
-  return dx, dws
+  return dx, dws, (full_column_sums(dys) if column_sums else None)
 
 
 def full_column_sums(dys):
   """Each ``(M, N_i)`` ``dy``'s float32 sum over all its rows: the bias gradients, which the
   contract sums over every row whatever the policy keeps."""
   return [jnp.sum(dy, axis=0, dtype=jnp.float32) for dy in dys]
-
-
-def siblings_backward(x, kernels, dys, *, column_sums: bool = False, **options):
-  """``(dx, dws, dbs)`` of sibling products ``x @ kernels[i]`` of one input through
-  :func:`backward` (:func:`accumulate_siblings`); ``dbs``: :func:`full_column_sums` of ``dys``
-  with ``column_sums``, else ``None``."""
-  dx, dws = accumulate_siblings(backward, x, kernels, dys, **options)
-  return dx, dws, (full_column_sums(dys) if column_sums else None)
