@@ -97,6 +97,9 @@ CANDIDATES = {
   "dx_n128_s4": _Config(dx_n=128, dx_stages=4),
   "dx_k64_n128": _Config(dx_k=64, dx_n=128),
   "group1": _Config(dx_group=1, dw_group=1),  # the grouped tile order off, for its effect
+  # ... in dW alone: each SM's consecutive tiles then store to one row of dW's tiles, not a
+  # column of eight (LLaMA b1's MLP dW stores 50 MB at ~1.8 TB/s, NOTES "Next").
+  "dw_group1": _Config(dw_group=1),
   # Few kept rows: the count-adaptive dX split, at most 2 / 4 / 8 parts per tile, as many as fill
   # the persistent launch (`with_dx_programs`: two programs per SM where two tiles' pipelines fit
   # in its shared memory, 264 on a 132-SM H100 or H200 for these tiles; one per SM for the
@@ -111,6 +114,13 @@ CANDIDATES = {
   # 18.6 % real has 288 live tiles, a second round for 24 of 264 programs, one round of 396.
   "dx_p396": _Config(dx_programs=396),
   "dx_n128_s4_split4": _Config(dx_n=128, dx_stages=4, dx_split=4),
+  # ... on the `wide_short` tiles (one program per SM: each live tile splits at most 2 ways), or
+  # on 64-column steps four deep, two programs per SM (LLaMA b1's ~85 kept rows: 48 live tiles,
+  # parts up to 4 or 5 of 264 programs; Nsight on the table's tiles had 54 % of the SMs active,
+  # NOTES "v18").
+  "dx_n128_s4_split2": _Config(dx_n=128, dx_stages=4, dx_split=2),
+  "dx_s4_split4": _Config(dx_stages=4, dx_split=4),
+  "dx_s4_split8": _Config(dx_stages=4, dx_split=8),
   "dx_m32_split4": _Config(dx_m=32, dx_split=4),
   # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
   # its N loop split so that ~24 tiles become ~200 items (NOTES "v13": at 2 % the dX time is
@@ -134,6 +144,9 @@ CANDIDATES = {
   "fused_n128_s3": _Config(dx_n=128, dx_stages=3, fused=True),
   "in_place_n128_s4": _Config(dx_n=128, dx_stages=4, compact=False),
 }
+# The layer's own entry of the tile table, as `block_config` hands it to the layer: the baseline a
+# candidate must beat ("default" is BlockConfig()'s tiles, which only the `narrow` class runs).
+TABLE = "table"
 # Launch parameters a candidate sets against sized_for_gpu's choice for this GPU.
 _AFTER_SIZING = {"dw_unsplit": dict(dw_split=1),
                  "dw_k64_split5": dict(dw_split=5, dw_slots=396)}
@@ -147,7 +160,9 @@ def sized_candidate(name: str, num_rows: int, in_features: int, out_features: in
   """``CANDIDATES[name]`` as the tuner times it on a layer of that shape: read in place where
   :func:`~sebp_jax.backends.pallas.block_config` has the layer read in place (vocabulary-wide
   layers; the in-place candidates on every shape), sized for this GPU, then ``_AFTER_SIZING``'s
-  parameters."""
+  parameters. :data:`TABLE` is the layer's own ``block_config``."""
+  if name == TABLE:
+    return pallas_backend.block_config(num_rows, in_features, out_features, dtype)
   candidate = CANDIDATES[name]
   config = dataclasses.replace(candidate, compact=candidate.compact and pallas_backend.block_config(
     num_rows, in_features, out_features, dtype).compact)
@@ -173,7 +188,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", default=["bert_up", "bert_down"])
   parser.add_argument("--fractions", nargs="+", type=float, default=[0.05, 0.2, 0.5])
-  parser.add_argument("--configs", nargs="+", default=list(CANDIDATES))
+  parser.add_argument("--configs", nargs="+", default=[TABLE, *CANDIDATES],
+                      choices=[TABLE, *CANDIDATES])
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--reps", type=int, default=8)
   parser.add_argument("--baselines", nargs="*", default=list(_BASELINES), choices=_BASELINES,

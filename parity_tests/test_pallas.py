@@ -519,7 +519,7 @@ def _exported_kernel_count(config, dtype, num_rows, in_features, out_features,
   return exported.mlir_module().count("@__gpu$xla.gpu.triton(")
 
 
-@pytest.mark.parametrize("name", sorted(tune_blocks.CANDIDATES))
+@pytest.mark.parametrize("name", [tune_blocks.TABLE, *sorted(tune_blocks.CANDIDATES)])
 def test_tuner_candidates_lower_to_triton_ir(monkeypatch, name):
   # Every configuration the tuner times on the GPU, sized as it sizes them for an H100 (132 SMs),
   # at a LLaMA-b1-like shape: a candidate that Triton cannot express fails here, not in a tuning run.

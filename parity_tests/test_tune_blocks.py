@@ -4,12 +4,14 @@ each one the kept rows as a row plan instead of scoring ``dy``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
 
 jax = pytest.importorskip("jax")
+jnp = jax.numpy
 
 from benchmarks import tune_blocks  # noqa: E402
 from benchmarks.layer_shapes import LayerShape  # noqa: E402
@@ -37,15 +39,18 @@ def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned, t
   monkeypatch.setattr(tune_blocks.pallas_backend, "backward", recording_backward)
   out = tmp_path / "tune.json"
   monkeypatch.setattr(sys, "argv", [
-    "tune_blocks", "--shapes", "tiny", "--fractions", "0.4", "--configs", "default", "dw_k64",
+    "tune_blocks", "--shapes", "tiny", "--fractions", "0.4", "--configs", "table", "default", "dw_k64",
     "--baselines", "dense", "--reps", "2", "--dtype", "float32",
     "--out", str(out)] + (["--planned"] if planned else []))
   tune_blocks.main()
   result = json.loads(out.read_text())
   assert result["planned"] is planned
   rows = {row["config"]: row for row in result["rows"]}
-  assert set(rows) == {"default", "dw_k64", "dense"}
-  for name in ("default", "dw_k64"):  # the tuner's own bar is 2e-2; a dropped row costs O(1)
+  assert set(rows) == {"table", "default", "dw_k64", "dense"}
+  # "table" is the layer's own entry of the tile table, as the model's layer gets it.
+  assert rows["table"]["block_config"] == dataclasses.asdict(tune_blocks.pallas_backend.block_config(
+    TINY.rows, TINY.in_features, TINY.out_features, jnp.float32))
+  for name in ("table", "default", "dw_k64"):  # the tuner's own bar is 2e-2; a dropped row costs O(1)
     assert rows[name]["rel_err_dx"] < 1e-2 and rows[name]["rel_err_dw"] < 1e-2, rows[name]
     assert rows[name]["ms"] >= 0.0
   assert plans and all(isinstance(plan, RowPlan) == planned for plan in plans)
