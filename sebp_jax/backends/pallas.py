@@ -149,7 +149,11 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # projection (N = 3072 < K = 8192) lost with these steps while every dead tile had its own
   # program (dX +18 % at 2 %, results/v10_h100/tune_v10.log); on the persistent launch it gains:
   # dX 57 -> 49 us at 2 %, 62 -> 58 at 5 %, 127 -> 130 at 21 % (results/v14_h100/tune_v14_h100.json).
-  ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4),
+  # Split 2 ways below 128 kept rows (one program per SM, 2 row blocks x 24 column blocks = 48
+  # live tiles on 132 SMs; the last part sums the two in the launch): planned dX on an H200 at
+  # 2.1 % / 22.3 % real, up 33.4 -> 29.5 / 109.7 -> 112.8 us, q/o 16.1 -> 14.4 / 52.2 -> 47.5,
+  # down 23.5 -> 24.0 / 126.3 -> 118.0 (results/v39_h200/call1/, benchmarks/NOTES.md "v33").
+  ("hopper", 2, "wide_short"): BlockConfig(dx_n=128, dx_stages=4, dx_split=2),
   # "vocab": at least _IN_PLACE_COLUMNS output columns (LLaMA-3's tied LM head), read in place.
   # With ~80 kept rows its dX has 48 tiles, each streaming 128,256 columns of W alone: 1.62 ms.
   # Split 8 ways at up to two working programs per SM (264 on a 132-SM H100/H200, as
