@@ -121,6 +121,13 @@ CANDIDATES = {
   "dx_n128_s4_split2": _Config(dx_n=128, dx_stages=4, dx_split=2),
   "dx_s4_split4": _Config(dx_stages=4, dx_split=4),
   "dx_s4_split8": _Config(dx_stages=4, dx_split=8),
+  # ... on the `wide` class's 128 x 256 dX tiles: LLaMA-3B at batch 4 keeps ~230 of 16,384 rows,
+  # 2 row blocks x 12 column blocks = 24 live tiles for 132 programs (one 147 KB pipeline per
+  # SM), so 24 SMs stream W; split, up to 4 (or 132 // 24 = 5) parts of each tile's N loop.
+  "big_split4": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64,
+                        dx_split=4),
+  "big_split8": _Config(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dw_k=128, dw_n=256, dw_m=64,
+                        dx_split=8),
   "dx_m32_split4": _Config(dx_m=32, dx_split=4),
   # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
   # its N loop split so that ~24 tiles become ~200 items (NOTES "v13": at 2 % the dX time is
