@@ -1165,21 +1165,30 @@ def main(build: Callable[[bool], ModelSpec], argv: Sequence[str] | None = None) 
 
 # ----------------------------------------------------------------------------- outputs
 
-def speedups(rows: Sequence[dict]) -> dict[tuple, tuple[float | None, float | None]]:
-  """``(workload, batch, variant) -> (bwd speedup, step speedup)`` against the variant's
-  baseline (:attr:`Variant.baseline`: :data:`BASELINE`, or :data:`EINSUM_BASELINE` for the
-  einsum-built variants)."""
+def speedups(rows: Sequence[dict], keys: Sequence[str] = ("bwd_ms", "step_ms"),
+             ) -> dict[tuple, tuple[float | None, ...]]:
+  """``(workload, batch, variant) -> (speedup of each of keys)`` (default: the backward's and the
+  step's) against the variant's baseline (:attr:`Variant.baseline`: :data:`BASELINE`, or
+  :data:`EINSUM_BASELINE` for the einsum-built variants)."""
   base = {(r["workload"], r["batch"], r["variant"]): r for r in rows if r["error"] is None}
   baselines = {v.name: v.baseline for v in VARIANTS}
   out = {}
   for r in rows:
     b = base.get((r["workload"], r["batch"], baselines.get(r["variant"], BASELINE)))
     if b is None or r["error"] is not None:
-      out[(r["workload"], r["batch"], r["variant"])] = (None, None)
+      out[(r["workload"], r["batch"], r["variant"])] = (None,) * len(keys)
       continue
     ratio = lambda key: b[key] / r[key] if r[key] and r[key] > 0 else None  # noqa: E731
-    out[(r["workload"], r["batch"], r["variant"])] = (ratio("bwd_ms"), ratio("step_ms"))
+    out[(r["workload"], r["batch"], r["variant"])] = tuple(ratio(key) for key in keys)
   return out
+
+
+def _with_grad_ms(row: dict) -> dict:
+  """``row`` with ``grad_ms``, the forward and the backward together: in JAX the
+  loss-and-gradients program as timed, where ``bwd_ms`` is that program less the forward program
+  timed alone, so it moves with how the two programs' schedules differ; ``grad_ms`` does not."""
+  parts = (row["fwd_ms"], row["bwd_ms"])
+  return {**row, "grad_ms": None if None in parts else sum(parts)}
 
 
 def _fmt(value, spec: str = ".2f") -> str:
@@ -1188,31 +1197,34 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def markdown_table(result: dict) -> str:
   """The rows as a markdown table, with speedups against ``jax-dense``."""
-  rows = result["rows"]
-  ratios = speedups(rows)
+  rows = [_with_grad_ms(r) for r in result["rows"]]
+  ratios = speedups(rows, ("bwd_ms", "grad_ms", "step_ms"))
   lines = [
     f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
     "",
     f"Medians of {result['steps']} steps after {result['warmup']} warm-up steps. "
     "Speedups are jax-dense's time over the variant's (`python -m benchmarks.summary` gives each "
-    "framework's own; jax-dense-einsum's for the einsum-built variants). bwd spread: (max − min) / median of the torch backward over the steps. "
+    "framework's own; jax-dense-einsum's for the einsum-built variants); grad ×: of the "
+    "forward and backward together (JAX: the loss-and-gradients program as timed, of which the "
+    "backward is that program less the forward program timed alone). bwd spread: (max − min) / "
+    "median of the torch backward over the steps. "
     f"Versions: {versions_text(result['versions'])}.{xla_flags_text(result)}"
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),
     "",
     "| workload | batch | active % | variant | fwd ms | bwd ms | opt ms | step ms | bwd × "
-    "| step × | peak GB | compiles | bwd spread | error |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| grad × | step × | peak GB | compiles | bwd spread | error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
-    bwd_x, step_x = ratios[(r["workload"], r["batch"], r["variant"])]
+    bwd_x, grad_x, step_x = ratios[(r["workload"], r["batch"], r["variant"])]
     peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 1e9
     spread = r.get("bwd_spread")  # torch rows; absent from older result files
     error = (r["error"] or "").replace("|", "/").replace("\n", " ")[:120]
     lines.append(
       f"| {r['workload']} | {r['batch']} | {100 * r['active_fraction']:.1f} | {r['variant']} "
       f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['opt_ms'])} "
-      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(step_x)} | {_fmt(peak)} "
+      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(grad_x)} | {_fmt(step_x)} | {_fmt(peak)} "
       f"| {_fmt(r['compile_count'], 'd')} | {_fmt(spread, '.0%')} | {error} |")
   return "\n".join(lines) + "\n"
 

@@ -426,6 +426,25 @@ def test_merge_joins_split_runs_and_keeps_their_provenance(tmp_path):
   assert "a.json, b.json" in (tmp_path / "out" / "m.md").read_text()
 
 
+def test_markdown_gives_the_forward_and_backward_together_beside_the_backward():
+  # JAX's bwd_ms is the loss-and-gradients program less the forward program timed alone; the
+  # grad column divides the two programs' sums, which that subtraction cannot move.
+  result = _result("H200", ("jax-dense", 1, 20.0), ("jax-sebp-pallas", 1, 10.0))
+  result["rows"][1]["fwd_ms"] = 4.0  # its forward program timed slower: bwd 8.5 -> 5.5
+  result["rows"][1]["bwd_ms"] = 5.5
+  lines = workloads.markdown_table(result).splitlines()
+  cells = lambda line: [c.strip() for c in line.split("|")]  # noqa: E731
+  header = cells(next(line for line in lines if line.startswith("| workload")))
+  column = dict(zip(header, cells(next(line for line in lines if "jax-sebp-pallas" in line))))
+  assert column["bwd ×"] == f"{18.5 / 5.5:.2f}"
+  assert column["grad ×"] == f"{(1.0 + 18.5) / (4.0 + 5.5):.2f}"
+  assert column["step ×"] == "2.00"
+  failed = {**result, "rows": [result["rows"][0], {**result["rows"][1], "error": "oom",
+                                                     "fwd_ms": None, "bwd_ms": None}]}
+  failed_row = next(l for l in workloads.markdown_table(failed).splitlines() if "oom" in l)
+  assert dict(zip(header, cells(failed_row)))["grad ×"] == "–"
+
+
 @pytest.mark.parametrize("second, message", [
   (_result("H100", ("torch-dense", 1, 1.0)), "field 'gpu'"),
   (_result("H200", ("jax-dense", 1, 1.0)), r"\('piqa', 1, 'jax-dense'\) was measured in a"),
