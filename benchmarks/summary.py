@@ -1,7 +1,8 @@
 """The ranges the README quotes from a model benchmark's result file.
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
-the backward and train-step speedups over ``jax-dense``, the backward speedup over the variant's
+the backward, forward-and-backward (``grad``) and train-step speedups over ``jax-dense``, the
+backward speedup over the variant's
 own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-caller-thread`` /
 ``torch-dense-graphed`` / ``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the
 caller-thread / graphed / compiled / compiled and graphed torch variants), the way to its own framework's bound
@@ -21,7 +22,7 @@ import json
 import pathlib
 from typing import Sequence
 
-from benchmarks.workloads import BASELINE, speedups
+from benchmarks.workloads import BASELINE, GRAD_KEYS, speedups, with_grad_ms
 
 __all__ = ["BOUND", "REFERENCES", "way_to_bound", "variant_ranges", "markdown_summary"]
 
@@ -60,14 +61,15 @@ def _span(values: list[float]) -> tuple[float, float] | None:
 
 
 def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float, float] | None]]:
-  """``(batch, variant) -> {"bwd_x", "step_x", "own_bwd_x", "way", "mem", "full_step"}``: each a
-  ``(low, high)`` range (``None`` where nothing measured it). ``bwd_x``/``step_x`` are over
-  ``jax-dense``; ``own_bwd_x``, ``way``, ``mem`` (+0.01 = 1 % more) and ``full_step`` against the
+  """``(batch, variant) -> {"bwd_x", "grad_x", "step_x", "own_bwd_x", "way", "mem",
+  "full_step"}``: each a ``(low, high)`` range (``None`` where nothing measured it).
+  ``bwd_x``/``grad_x``/``step_x`` are over ``jax-dense`` (``grad_x``: the forward and backward
+  together, :func:`~benchmarks.workloads.with_grad_ms`); ``own_bwd_x``, ``way``, ``mem`` (+0.01 = 1 % more) and ``full_step`` against the
   variant's own framework's dense and bound (:data:`REFERENCES`; graphed torch variants: the
   graphed ones)."""
-  rows = [r for r in result["rows"] if r["error"] is None]
+  rows = [with_grad_ms(r) for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
-  ratios = speedups(rows)
+  ratios = speedups(rows, GRAD_KEYS)
   collected: dict[tuple[int, str], dict[str, list[float]]] = {}
   for r in rows:
     dense_name, bound_name = _references(r)
@@ -75,12 +77,14 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
     if dense is None:
       continue
     into = collected.setdefault((r["batch"], r["variant"]), {
-      "bwd_x": [], "step_x": [], "own_bwd_x": [], "way": [], "mem": [], "full_step": []})
+      "bwd_x": [], "grad_x": [], "step_x": [], "own_bwd_x": [], "way": [], "mem": [],
+      "full_step": []})
     if r["active_fraction"] >= 1.0:
       into["full_step"].append(r["step_ms"] / dense["step_ms"])
       continue
     # `speedups` leaves a ratio out (None) where a time is not positive: a noisy difference.
-    for name, ratio in zip(("bwd_x", "step_x"), ratios[(r["workload"], r["batch"], r["variant"])]):
+    for name, ratio in zip(("bwd_x", "grad_x", "step_x"),
+                           ratios[(r["workload"], r["batch"], r["variant"])]):
       if ratio is not None:
         into[name].append(ratio)
     if r["bwd_ms"] > 0:
@@ -114,16 +118,16 @@ def markdown_summary(result: dict) -> str:
     "Ranges over the padded workloads; × is over jax-dense, \"own\" over the variant's own "
     "framework's dense and bound; full length is the step time over its own dense's.",
     "",
-    "| batch | variant | backward × | step × | backward × own dense | way to own bound "
+    "| batch | variant | backward × | grad × | step × | backward × own dense | way to own bound "
     "| peak memory vs own dense | full-length step / own dense |",
-    "|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   for (batch, variant), spans in variant_ranges(result).items():
     mem = None if spans["mem"] is None else tuple(100 * v for v in spans["mem"])
     way = None if spans["way"] is None else tuple(100 * v for v in spans["way"])
     lines.append(
       f"| {batch} | {variant} | {_fmt(spans['bwd_x'], '.2f', '×')} "
-      f"| {_fmt(spans['step_x'], '.2f', '×')} | {_fmt(spans['own_bwd_x'], '.2f', '×')} "
+      f"| {_fmt(spans['grad_x'], '.2f', '×')} | {_fmt(spans['step_x'], '.2f', '×')} | {_fmt(spans['own_bwd_x'], '.2f', '×')} "
       f"| {_fmt(way, '.0f', ' %')} "
       f"| {_fmt(mem, '+.2f', ' %')} | {_fmt(spans['full_step'], '.3f', '×')} |")
   return "\n".join(lines) + "\n"

@@ -126,7 +126,7 @@ __all__ = [
   "library_versions", "versions_text", "single_workload_parser", "xla_flags_text",
   "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context", "torch_backward",
-  "speedups", "markdown_table", "write_results", "main",
+  "speedups", "GRAD_KEYS", "with_grad_ms", "markdown_table", "write_results", "main",
 ]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -1183,7 +1183,12 @@ def speedups(rows: Sequence[dict], keys: Sequence[str] = ("bwd_ms", "step_ms"),
   return out
 
 
-def _with_grad_ms(row: dict) -> dict:
+# The speedups the tables give: the backward's, the forward and backward together (with_grad_ms),
+# the step's.
+GRAD_KEYS = ("bwd_ms", "grad_ms", "step_ms")
+
+
+def with_grad_ms(row: dict) -> dict:
   """``row`` with ``grad_ms``, the forward and the backward together: in JAX the
   loss-and-gradients program as timed, where ``bwd_ms`` is that program less the forward program
   timed alone, so it moves with how the two programs' schedules differ; ``grad_ms`` does not."""
@@ -1197,8 +1202,8 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def markdown_table(result: dict) -> str:
   """The rows as a markdown table, with speedups against ``jax-dense``."""
-  rows = [_with_grad_ms(r) for r in result["rows"]]
-  ratios = speedups(rows, ("bwd_ms", "grad_ms", "step_ms"))
+  rows = [with_grad_ms(r) for r in result["rows"]]
+  ratios = speedups(rows, GRAD_KEYS)
   lines = [
     f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
     "",

@@ -48,6 +48,7 @@ def test_variant_ranges_cover_the_padded_workloads():
   sebp = ranges[(4, "jax-sebp-pallas")]
   assert sebp["bwd_x"] == (2.0, 2.5)                   # 12 / 6, 10 / 4
   assert sebp["step_x"] == (1.4285714285714286, 1.5)   # 20 / 14, 24 / 16
+  assert sebp["grad_x"] == (13 / 7, 2.2)               # (1 + 12) / (1 + 6), (1 + 10) / (1 + 4)
   assert sebp["way"] == (0.75, 0.75)                   # (10-4)/(10-2), (12-6)/(12-4)
   assert sebp["own_bwd_x"] == sebp["bwd_x"]            # jax's own dense is jax-dense
   assert sebp["mem"] == pytest.approx((0.01, 0.01))
@@ -67,10 +68,11 @@ def test_variant_ranges_cover_the_padded_workloads():
 
 def test_markdown_summary_writes_one_row_per_variant():
   text = summary.markdown_summary(RESULT)
-  assert ("| 4 | jax-sebp-pallas | 2.00–2.50× | 1.43–1.50× | 2.00–2.50× | 75 % | +1.00 % "
-          "| 1.020× |") in text
-  assert "| 4 | torch-dense | 0.50× | 0.50× | 1.00× | – | – | – |" in text
-  assert "| 4 | torch-sebp | 1.25× | 0.62× | 2.50× | 75 % | – | – |" in text
+  # grad ×: (fwd + bwd) over jax-dense's, every fwd 1 ms here.
+  assert ("| 4 | jax-sebp-pallas | 2.00–2.50× | 1.86–2.20× | 1.43–1.50× | 2.00–2.50× | 75 % "
+          "| +1.00 % | 1.020× |") in text
+  assert "| 4 | torch-dense | 0.50× | 0.52× | 0.50× | 1.00× | – | – | – |" in text
+  assert "| 4 | torch-sebp | 1.25× | 1.22× | 0.62× | 2.50× | 75 % | – | – |" in text
 
 
 def test_command_buffer_variants_compare_with_dense_and_bound_under_the_same_flags():
