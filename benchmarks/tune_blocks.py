@@ -2,13 +2,14 @@
 
 For each layer shape and active fraction: verify every configuration against the dense backward
 on the masked gradient, then time it beside the dense XLA backward and the ideal (dense matmuls on
-rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``.
+rows compacted beforehand). The winners go into ``_BLOCK_TABLE`` of ``sebp_jax/backends/pallas.py``;
+the ``table`` configuration is the layer's entry there today, the one a candidate must beat.
 Each configuration scores ``dy`` itself (per-layer selection, the dropped rows' zeros stored by the
 dX kernel), or with ``--planned`` takes the kept rows as a row plan made beforehand, as a model
 step hands them to every layer (no selection; the dropped rows zeroed by a select, which a model
 fuses into ``dx``'s consumers and a lone layer runs as a pass of its own).
 
-    python -m benchmarks.tune_blocks --shapes bert_up bert_down --out tune.json
+    python -m benchmarks.tune_blocks --shapes bert_up bert_down --configs table dx_split4 --out tune.json
 """
 
 from __future__ import annotations
