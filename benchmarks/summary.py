@@ -2,15 +2,14 @@
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
 the backward, forward-and-backward (``grad``) and train-step speedups over ``jax-dense``, the
-backward speedup over the variant's
-own framework's dense (``jax-dense`` or ``torch-dense``; ``torch-dense-caller-thread`` /
-``torch-dense-graphed`` / ``torch-dense-compiled`` / ``torch-dense-compiled-graphed`` for the
-caller-thread / graphed / compiled / compiled and graphed torch variants), the way to its own framework's bound
-``(dense_bwd − variant_bwd) / (dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound`` or the
-torch bound of the same suffix), and
-peak memory against its own dense; and, for the ``full_length`` workload, the step time as a
-multiple of its own dense's. Computed from the JSON, so
-a re-measured file gives the README's numbers without copying them by hand::
+backward speedup over the variant's own framework's dense (``jax-dense`` or ``torch-dense``;
+``torch-dense-caller-thread`` / ``torch-dense-graphed`` / ``torch-dense-compiled`` /
+``torch-dense-compiled-graphed`` for the caller-thread / graphed / compiled / compiled and
+graphed torch variants), the way to its own framework's bound ``(dense_bwd − variant_bwd) /
+(dense_bwd − bound_bwd)`` (``jax-bound``, ``torch-bound`` or the torch bound of the same
+suffix), and peak memory against its own dense; and, for the ``full_length`` workload, the step
+time as a multiple of its own dense's. Computed from the JSON, so a re-measured file gives the
+README's numbers without copying them by hand::
 
     python -m benchmarks.summary benchmarks/results/llama_b1.json benchmarks/results/llama_b4.json
 """
@@ -64,8 +63,8 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
   """``(batch, variant) -> {"bwd_x", "grad_x", "step_x", "own_bwd_x", "way", "mem",
   "full_step"}``: each a ``(low, high)`` range (``None`` where nothing measured it).
   ``bwd_x``/``grad_x``/``step_x`` are over ``jax-dense`` (``grad_x``: the forward and backward
-  together, :func:`~benchmarks.workloads.with_grad_ms`); ``own_bwd_x``, ``way``, ``mem`` (+0.01 = 1 % more) and ``full_step`` against the
-  variant's own framework's dense and bound (:data:`REFERENCES`; graphed torch variants: the
+  together, :func:`~benchmarks.workloads.with_grad_ms`); ``own_bwd_x``, ``way``, ``mem`` (+0.01
+  = 1 % more) and ``full_step`` against the variant's own framework's dense and bound (:data:`REFERENCES`; graphed torch variants: the
   graphed ones)."""
   rows = [with_grad_ms(r) for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
@@ -127,7 +126,8 @@ def markdown_summary(result: dict) -> str:
     way = None if spans["way"] is None else tuple(100 * v for v in spans["way"])
     lines.append(
       f"| {batch} | {variant} | {_fmt(spans['bwd_x'], '.2f', '×')} "
-      f"| {_fmt(spans['grad_x'], '.2f', '×')} | {_fmt(spans['step_x'], '.2f', '×')} | {_fmt(spans['own_bwd_x'], '.2f', '×')} "
+      f"| {_fmt(spans['grad_x'], '.2f', '×')} | {_fmt(spans['step_x'], '.2f', '×')} "
+      f"| {_fmt(spans['own_bwd_x'], '.2f', '×')} "
       f"| {_fmt(way, '.0f', ' %')} "
       f"| {_fmt(mem, '+.2f', ' %')} | {_fmt(spans['full_step'], '.3f', '×')} |")
   return "\n".join(lines) + "\n"

@@ -1229,7 +1229,8 @@ def markdown_table(result: dict) -> str:
     lines.append(
       f"| {r['workload']} | {r['batch']} | {100 * r['active_fraction']:.1f} | {r['variant']} "
       f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['opt_ms'])} "
-      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(grad_x)} | {_fmt(step_x)} | {_fmt(peak)} "
+      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(grad_x)} | {_fmt(step_x)} "
+      f"| {_fmt(peak)} "
       f"| {_fmt(r['compile_count'], 'd')} | {_fmt(spread, '.0%')} | {error} |")
   return "\n".join(lines) + "\n"
 
