@@ -64,8 +64,8 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
   "full_step"}``: each a ``(low, high)`` range (``None`` where nothing measured it).
   ``bwd_x``/``grad_x``/``step_x`` are over ``jax-dense`` (``grad_x``: the forward and backward
   together, :func:`~benchmarks.workloads.with_grad_ms`); ``own_bwd_x``, ``way``, ``mem`` (+0.01
-  = 1 % more) and ``full_step`` against the variant's own framework's dense and bound (:data:`REFERENCES`; graphed torch variants: the
-  graphed ones)."""
+  = 1 % more) and ``full_step`` against the variant's own framework's dense and bound
+  (:data:`REFERENCES`; graphed torch variants: the graphed ones)."""
   rows = [with_grad_ms(r) for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
   ratios = speedups(rows, GRAD_KEYS)

@@ -9,7 +9,8 @@ dX kernel), or with ``--planned`` takes the kept rows as a row plan made beforeh
 step hands them to every layer (no selection; the dropped rows zeroed by a select, which a model
 fuses into ``dx``'s consumers and a lone layer runs as a pass of its own).
 
-    python -m benchmarks.tune_blocks --shapes bert_up bert_down --configs table dx_split4 --out tune.json
+    python -m benchmarks.tune_blocks --shapes bert_up bert_down --configs table dx_split4 \
+        --out tune.json
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned, t
   monkeypatch.setattr(tune_blocks.pallas_backend, "backward", recording_backward)
   out = tmp_path / "tune.json"
   monkeypatch.setattr(sys, "argv", [
-    "tune_blocks", "--shapes", "tiny", "--fractions", "0.4", "--configs", "table", "default", "dw_k64",
-    "--baselines", "dense", "--reps", "2", "--dtype", "float32",
+    "tune_blocks", "--shapes", "tiny", "--fractions", "0.4",
+    "--configs", "table", "default", "dw_k64", "--baselines", "dense", "--reps", "2",
+    "--dtype", "float32",
     "--out", str(out)] + (["--planned"] if planned else []))
   tune_blocks.main()
   result = json.loads(out.read_text())
@@ -48,9 +49,11 @@ def test_every_configuration_checked_and_timed(monkeypatch, tmp_path, planned, t
   rows = {row["config"]: row for row in result["rows"]}
   assert set(rows) == {"table", "default", "dw_k64", "dense"}
   # "table" is the layer's own entry of the tile table, as the model's layer gets it.
-  assert rows["table"]["block_config"] == dataclasses.asdict(tune_blocks.pallas_backend.block_config(
-    TINY.rows, TINY.in_features, TINY.out_features, jnp.float32))
-  for name in ("table", "default", "dw_k64"):  # the tuner's own bar is 2e-2; a dropped row costs O(1)
+  table = tune_blocks.pallas_backend.block_config(TINY.rows, TINY.in_features, TINY.out_features,
+                                                 jnp.float32)
+  assert rows["table"]["block_config"] == dataclasses.asdict(table)
+  # The tuner's own bar is 2e-2; a dropped row costs O(1).
+  for name in ("table", "default", "dw_k64"):
     assert rows[name]["rel_err_dx"] < 1e-2 and rows[name]["rel_err_dw"] < 1e-2, rows[name]
     assert rows[name]["ms"] >= 0.0
   assert plans and all(isinstance(plan, RowPlan) == planned for plan in plans)
