@@ -642,20 +642,20 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
     part, tile = index // jnp.maximum(live_tiles, 1), index % jnp.maximum(live_tiles, 1)
     row_block, col_block = _grouped_tile(tile, jnp.maximum(live_blocks, 1), col_blocks, group)
     start = row_block * block_m
-    first_step, share = _split_share(total, parts, part) if split > 1 else (0, total)
     cols = pl.ds(col_block * block_k, block_k)
     load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
-    def step(n, acc):
-      span = pl.ds((first_step + n) * block_n, block_n)
-      weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
-      return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
-                                   DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
-                                   preferred_element_type=jnp.float32)
+    def product(first_step, steps):
+      def step(n, acc):
+        span = pl.ds((first_step + n) * block_n, block_n)
+        weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
+        return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
+                                     DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+                                     preferred_element_type=jnp.float32)
 
-    # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted tiles
-    # go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
-    acc = lax.fori_loop(0, share, step, jnp.zeros((block_m, block_k), jnp.float32))
+      # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted
+      # tiles go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
+      return lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
 
     def store_rows(total):
       rows = perm_ref[pl.ds(start, block_m)]
@@ -664,12 +664,21 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
       dx_ref[rows, cols] = total.astype(dx_ref.dtype)
 
     if split == 1:
-      store_rows(acc)
-    else:
-      pl.when(parts == 1)(lambda: store_rows(acc))
-      slot = row_block * col_blocks + col_block  # parts > 1: row_block is below the split rows
-      pl.when(parts > 1)(lambda: _sum_parts(partials_ref, arrivals_ref, slot, part, parts, acc,
-                                            store_rows, barrier=barrier))
+      store_rows(product(0, total))
+      return carry
+    # One part (every count past the split rows): the loop of an unsplit launch, whole `N` in a
+    # trip count known at compile time, its own branch, so that compiling the split in costs
+    # those tiles nothing (a shared loop of runtime length cost LLaMA-3B b4's up dX +11 % at
+    # 24 % kept rows, benchmarks/NOTES.md "v34").
+    pl.when(parts == 1)(lambda: store_rows(product(0, total)))
+
+    @pl.when(parts > 1)
+    def _():
+      first_step, share = _split_share(total, parts, part)
+      slot = row_block * col_blocks + col_block  # row_block is below the split rows
+      _sum_parts(partials_ref, arrivals_ref, slot, part, parts, product(first_step, share),
+                 store_rows, barrier=barrier)
+
     return carry
 
   def zero_item(i, carry):
