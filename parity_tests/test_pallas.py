@@ -370,16 +370,25 @@ def test_dw_tiles_and_split_by_shape_class_on_hopper(monkeypatch, in_features, o
   assert (config.dw_k, config.dw_split) == (dw_k, dw_split)
 
 
-@pytest.mark.parametrize("out_features,launch", [(8192, (132, 2, 128)), (128256, (264, 8, 320))])
-def test_few_row_layers_split_their_dx_on_hopper(monkeypatch, out_features, launch):
+@pytest.mark.parametrize("rows,in_features,out_features,launch", [
+  (4096, 3072, 8192, (132, 2, 128)),
+  (4096, 3072, 128256, (264, 8, 320)),
+  (16384, 3072, 8192, (132, 4, 640)),
+  (16384, 8192, 3072, (132, 4, 256)),
+])
+def test_few_row_layers_split_their_dx_on_hopper(monkeypatch, rows, in_features, out_features,
+                                                 launch):
   # LLaMA-3B at batch 1 (24 column blocks of 128 at K = 3072): the LM head's dX shares its
   # 128,256-column loop among up to 8 programs per tile, two programs per SM: 264 // 2 // 24 = 5
   # row blocks of 64 can still have 2 parts. The MLP up (`wide_short`) splits in 2, one program
   # per SM (its four 128-column steps fill an SM's shared memory): 132 // 2 // 24 = 2 row blocks.
+  # At batch 4 (`wide`: 128 x 256 tiles, one program per SM) up splits in up to 4 parts below
+  # 132 // 2 // 12 = 5 row blocks of 128, down (32 column blocks) below 2.
   monkeypatch.setattr(pallas_backend, "_gpu_generation", lambda: "hopper")
   monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
-  config = pallas_backend.block_config(4096, 3072, out_features, jnp.bfloat16)
-  assert pallas_backend._dx_launch(4096, 3072, out_features // config.dx_n, config) == launch
+  config = pallas_backend.block_config(rows, in_features, out_features, jnp.bfloat16)
+  assert pallas_backend._dx_launch(rows, in_features, out_features // config.dx_n,
+                                   config) == launch
 
 
 @pytest.mark.parametrize("sms,tiles,split,tail", [

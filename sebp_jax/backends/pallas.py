@@ -139,7 +139,14 @@ _BLOCK_TABLE: dict[tuple[str, int, str], BlockConfig] = {
   # first, with XLA summing the split: BERT-base b32's step -0.17 ms of GPU time at 2.5 % real
   # tokens, results/v32_h200/call4/).
   ("hopper", 2, "small"): BlockConfig(dw_k=64),
-  ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8,
+  # Its dX split up to 4 ways below 5 row blocks of kept rows (2 for the down projection's 32
+  # column blocks): LLaMA-3B at batch 4 keeps ~230 of 16,384 rows, 24 live tiles for 132 SMs.
+  # Planned dX on an H200 at 1.6 / 6.6 / 26.2 % real, up 81.9 -> 47.7 / 86.1 -> 86.0 / 276.6 ->
+  # 279.6 us, q/o 36.7 -> 28.6 / 38.7 -> 38.7 / 119.8 -> 119.6, down 39.9 -> 39.8 / 92.1 ->
+  # 92.4 / 292.8 -> 295.0 (results/v40_h200/call2/, benchmarks/NOTES.md "v35"). Both GEMMs'
+  # 128 x 256 tiles spill registers inside their loops (132-260 B a thread); the 128 x 128 dX
+  # tiles and the default dW tiles, which do not, were slower at 6.6 and 26.2 % all the same.
+  ("hopper", 2, "wide"): BlockConfig(dx_m=128, dx_k=256, dx_n=64, dx_warps=8, dx_split=4,
                                      dw_k=128, dw_n=256, dw_m=64, dw_warps=8),
   # "wide_short": a weight as large, fewer rows (LLaMA-3B at batch 1-3). Its ~2-5 % kept rows
   # give a few dozen dX tiles, each streaming all of N alone; steps of 128 columns four deep keep
