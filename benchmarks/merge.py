@@ -4,8 +4,8 @@ A 3B-parameter model compiles for 20-40 s per variant, so its runs are split by 
 size (``--variants``, ``--batches``, ``--tag``), each writing a result file of its own. Speedups
 and figures need every variant of a workload in one file: this module concatenates the rows of
 such files. It refuses files whose measurements are not comparable (another GPU, dtype, context,
-step counts or library versions), rows measured twice, and files of another benchmark, naming
-the field; the merged header lists the files it came from under ``merged_from``.
+step counts, library versions or JAX forward program), rows measured twice, and files of another
+benchmark, naming the field; the merged header lists the files it came from under ``merged_from``.
 
 Usage (writes ``llama_b1.json``, ``llama_b1.md`` and figures under ``--out-dir``)::
 
@@ -26,7 +26,7 @@ __all__ = ["merge_results"]
 
 # Header fields that must agree for rows of different runs to be compared. (Not ``platform``: a
 # torch-only run names it ``cuda`` where a JAX run names it ``gpu``; ``gpu`` names the card.)
-_SAME = ("benchmark", "gpu", "dtype", "seq_len", "warmup", "steps", "versions")
+_SAME = ("benchmark", "gpu", "dtype", "seq_len", "warmup", "steps", "versions", "jax_forward")
 
 
 def merge_results(results: Sequence[dict], names: Sequence[str],
