@@ -133,6 +133,8 @@ CANDIDATES = {
   # ... or on 128 x 128 dX tiles (`dx128`), which hold no spilled registers where the `wide`
   # tiles' 128 x 256 accumulator spills 132-260 B a thread inside the loop (NOTES "v35").
   "dx128_split4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_split=4),
+  # ... four steps deep (at 1.6 % kept rows `dx128_s4` had q/o's fastest dX, `dx128_split4` up's).
+  "dx128_s4_split4": _Config(dx_m=128, dx_k=128, dx_n=64, dx_warps=8, dx_stages=4, dx_split=4),
   "dx_m32_split4": _Config(dx_m=32, dx_split=4),
   # ... or one 128-row block holds all of a few dozen kept rows, so W streams from memory once,
   # its N loop split so that ~24 tiles become ~200 items (NOTES "v13": at 2 % the dX time is

@@ -175,6 +175,26 @@ def test_dx_split_shares_ragged_n_loops(interpret, dtype, programs, count, parts
 
 
 @pytest.mark.parametrize("interpret", KERNEL_IMPLS)
+@pytest.mark.parametrize("count", [65, 75])
+def test_dx_split_launch_runs_one_part_tiles_as_the_unsplit_launch_does(interpret, count):
+  # Past DX_SPLIT's split rows (64, above) every live tile has one part; such a tile runs the
+  # unsplit launch's loop, its trip count known at compile time (NOTES "v35"), so dX is the
+  # unsplit launch's bit for bit, and dW, which the dX split does not touch, too.
+  rng = np.random.default_rng(count)
+  kept = np.sort(rng.choice(75, count, replace=False))
+  x, kernel, dy = _case(rng, 75, 37, 60, kept, jnp.float32)
+  grads = {}
+  for split in (1, DX_SPLIT["dx_split"]):
+    config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **DX_SPLIT, "dx_split": split})
+    grads[split] = jax.jit(lambda x, k, dy: pallas_backend.backward(
+      x, k, dy, policy=RowPolicy(), precision=jax.lax.Precision.HIGHEST, interpret=interpret,
+      config=config))(x, kernel, dy)
+  assert pallas_backend._dx_launch(80, 48, 4, config)[1:] == (4, 64)  # the split compiled in
+  for one_part, unsplit in zip(grads[DX_SPLIT["dx_split"]], grads[1]):
+    np.testing.assert_array_equal(np.asarray(one_part), np.asarray(unsplit))
+
+
+@pytest.mark.parametrize("interpret", KERNEL_IMPLS)
 @pytest.mark.parametrize("policy", [RowPolicy(threshold=0.01), RowPolicy(max_rows=20),
                                     RowPolicy(threshold=0.01, max_rows=5)])
 @pytest.mark.parametrize("split", SPLITS[::2], ids=_split_id)
