@@ -327,9 +327,14 @@ def test_gather_kernel(interpret, programs, count):
   keep = np.zeros(num_rows, bool)
   keep[rng.permutation(num_rows)[:count]] = True
   perm, counted = pallas_backend.partition_pallas(jnp.asarray(keep), interpret=interpret)
-  gathered, (dy_sum,) = jax.jit(lambda sources, perm, counted: pallas_backend.gather_pallas(
-    sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs,
-    summed=(0,)))([dy, x], perm, counted)
+  gathered, (dy_sum,), counters = jax.jit(
+    lambda sources, perm, counted: pallas_backend.gather_pallas(
+      sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs,
+      summed=(0,), zeroed=(5, 64)))([dy, x], perm, counted)
+  # The arrival counters of split GEMMs, zeroed in the launch (the interpreter fills what no
+  # program writes with int32's minimum), a power of two long.
+  assert [(c.dtype, c.shape) for c in counters] == [(jnp.int32, (8,)), (jnp.int32, (64,))]
+  assert all(not np.asarray(c).any() for c in counters)
   written = -(-count // block_m) * block_m
   for source, copy in zip((dy, x), gathered):
     source, copy = np.asarray(source, np.float32), np.asarray(copy, np.float32)

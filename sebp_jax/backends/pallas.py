@@ -444,9 +444,13 @@ def _gather_kernel(count_ref, perm_ref, *refs, block_m: int, block_cols: tuple[i
   copied, row ``p`` of that source's ``(programs, width)`` partial sums (zeros for no trips)."""
   num_sources = len(block_cols)
   sources, copies = refs[:num_sources], refs[num_sources:2 * num_sources]
-  sums = dict(zip(summed, refs[2 * num_sources:]))
+  sums = dict(zip(summed, refs[2 * num_sources:2 * num_sources + len(summed)]))
   program = pl.program_id(0)
   chunk = pl.program_id(1)
+  for counters in refs[2 * num_sources + len(summed):]:  # gather_pallas's `zeroed`
+    @pl.when((program == 0) & (chunk == 0))
+    def _(counters=counters):
+      counters[...] = jnp.zeros(counters.shape, counters.dtype)
   count = count_ref[0]
   # Blocks program, program + programs, ... below the last block that holds a kept row.
   trips = _strided_trips(pl.cdiv(count, block_m), program, programs)
@@ -483,16 +487,21 @@ def _gather_programs(row_blocks: int, chunks: int) -> int:
 
 
 def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False,
-                  programs: int | None = None, summed: Sequence[int] = ()):
-  """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``, and the
-  float32 column sums of those rows for the sources indexed by ``summed``: ``(copies, sums)``.
+                  programs: int | None = None, summed: Sequence[int] = (),
+                  zeroed: Sequence[int] = ()):
+  """Contiguous copies of the kept rows of each ``(M, width)`` array of ``sources``, the float32
+  column sums of those rows for the sources indexed by ``summed``, and zeroed arrival counters
+  for the split GEMMs that read the copies: ``(copies, sums, counters)``.
 
   Row ``i < count`` of a copy is row ``perm[i]`` of its source; rows ``count ..
   round_up(count, block_m) - 1`` are zero; the rows past those are never written (whatever the
   allocator left there: readers stop at that block). ``M`` must be a multiple of ``block_m``.
   ``sums[j]`` is the ``(width,)`` sum over kept rows of ``sources[summed[j]]``: where the dropped
   rows are zero (the exact policy, a row plan), its whole column sum, a bias gradient, read from
-  the rows the copy reads anyway.
+  the rows the copy reads anyway. ``counters[j]`` is :func:`_counters`' buffer of ``zeroed[j]``
+  slots, zeroed by the launch's first program instead of a launch of their own (a memset or a
+  copy before each split dX and dW launch: 252 of a LLaMA-3B step's, ~0.2 ms of GPU time,
+  benchmarks/NOTES.md "v36").
 
   The grid is ``programs`` (default :func:`_gather_programs`) times column chunks of every
   source, each program looping over its row blocks up to ``count``'s. Column chunks: with few
@@ -516,11 +525,13 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
                            programs=programs, summed=summed)
   outputs = _launch(
     body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources)
-    + tuple(jax.ShapeDtypeStruct((programs, sources[i].shape[1]), jnp.float32) for i in summed),
+    + tuple(jax.ShapeDtypeStruct((programs, sources[i].shape[1]), jnp.float32) for i in summed)
+    + tuple(_counters(slots) for slots in zeroed),
     grid=(programs, sum(chunks)), warps=_GATHER_WARPS, stages=2, interpret=interpret,
     name="sebp_gather")(count, perm, *sources)
-  partials = outputs[len(sources):]
-  return list(outputs[:len(sources)]), [jnp.sum(p, axis=0) for p in partials]
+  copies, partials = outputs[:len(sources)], outputs[len(sources):len(sources) + len(summed)]
+  return (list(copies), [jnp.sum(p, axis=0) for p in partials],
+          list(outputs[len(sources) + len(summed):]))
 
 
 def _split_share(total, split, part):
@@ -553,13 +564,24 @@ def _sum_parts(partials_ref, arrivals_ref, slot, part, parts, acc, store, *, bar
     store(total)
 
 
-def _sum_parts_buffers(split: int, slots: int, tile: tuple[int, int]):
+def _counters(slots: int) -> jax.ShapeDtypeStruct:
+  """The arrival counters of ``slots`` split tiles (:func:`_sum_parts`): int32, a power of two
+  long (a Triton tensor's length), so that :func:`gather_pallas` can zero them in one store."""
+  return jax.ShapeDtypeStruct((pl.next_power_of_2(slots),), jnp.int32)
+
+
+def _sum_parts_buffers(split: int, slots: int, tile: tuple[int, int], arrivals=None):
   """What a launch hands :func:`_sum_parts` for ``slots`` split tiles of ``tile`` shape and up to
   ``split`` parts each: the zeroed arrival counters (an input, aliased to the first of the two
-  outputs), and the shapes of those two outputs: the counters and the float32 partial tiles."""
-  return jnp.zeros((slots,), jnp.int32), (
-    jax.ShapeDtypeStruct((slots,), jnp.int32),
-    jax.ShapeDtypeStruct((split, slots, *tile), jnp.float32))
+  outputs: ``arrivals`` if given, zeroed by :func:`gather_pallas`, else zeros of XLA's), and the
+  shapes of those two outputs: the counters and the float32 partial tiles."""
+  counters = _counters(slots)
+  if arrivals is None:
+    arrivals = jnp.zeros(counters.shape, counters.dtype)
+  elif (arrivals.shape, arrivals.dtype) != (counters.shape, counters.dtype):
+    raise ValueError(f"`arrivals` must be {counters.dtype}{list(counters.shape)} for {slots} split "
+                     f"tiles, got {arrivals.dtype}{list(arrivals.shape)}.")
+  return arrivals, (counters, jax.ShapeDtypeStruct((split, slots, *tile), jnp.float32))
 
 
 def _dx_parts(count, *, block_m: int, col_blocks: int, programs: int, split: int):
@@ -852,7 +874,8 @@ def _dx_plan(dyc, kernel, config: BlockConfig, precision, kernel_nk: bool, accum
 
 def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False, kernel_nk: bool = False,
-              accumulator: jax.Array | None = None, zero_rows: bool = True) -> jax.Array:
+              accumulator: jax.Array | None = None, zero_rows: bool = True,
+              arrivals: jax.Array | None = None) -> jax.Array:
   """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
 
   One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows (with
@@ -869,6 +892,8 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
     zero_rows: write the dropped rows' zeros. Without, the rows past the live tiles hold
       whatever the buffer held (NaN in the interpreter): for a caller that zeroes them itself,
       as a select XLA fuses into ``dx``'s consumers (:func:`_zero_dropped_rows`).
+    arrivals: where the launch splits tiles (:func:`_dx_counter_slots` of them), their zeroed
+      arrival counters (:func:`gather_pallas`' ``zeroed``), donated; ``None``: zeros of XLA's.
 
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
@@ -878,9 +903,12 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   operands = (count, perm, dyc, kernel) + (() if accumulator is None else (accumulator,))
   aliases = {} if accumulator is None else {4: 0}
   out_shape = dx_shape
+  if arrivals is not None and split == 1:
+    raise ValueError("dx_pallas: `arrivals` given to a launch that splits no tile.")
   if split > 1:
     split_tiles = split_rows // config.dx_m * (dx_shape.shape[1] // config.dx_k)
-    arrivals, split_shapes = _sum_parts_buffers(split, split_tiles, (config.dx_m, config.dx_k))
+    arrivals, split_shapes = _sum_parts_buffers(split, split_tiles, (config.dx_m, config.dx_k),
+                                                arrivals)
     aliases[len(operands)] = 1
     operands += (arrivals,)
     out_shape = (dx_shape, *split_shapes)
@@ -891,7 +919,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
 
 
 def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
-              interpret: bool = False) -> jax.Array:
+              interpret: bool = False, arrivals: jax.Array | None = None) -> jax.Array:
   """``dw = xᵀ @ (dy * keep)`` over the kept rows only, in one launch (``sebp_dw``).
 
   Args:
@@ -899,11 +927,13 @@ def dw_pallas(xc, dyc, perm, count, *, config: BlockConfig, precision=None,
       ``config.compact`` is off; ``M % dw_m == 0`` and ``K % dw_k == 0``.
     dyc: ``(M, N)``, the kept rows of ``dy`` first, or ``dy``; ``N % dw_n == 0``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
+    arrivals: where the launch splits tiles (:func:`_dw_counter_slots` of them), their zeroed
+      arrival counters (:func:`gather_pallas`' ``zeroed``), donated; ``None``: zeros of XLA's.
 
   Returns:
     ``(K, N)`` in ``xc.dtype``.
   """
-  launch = _dw_plan(xc, dyc, config, precision, interpret)
+  launch = _dw_plan(xc, dyc, config, precision, interpret, arrivals)
   outputs = _launch(launch.body, launch.out_shape, grid=(launch.programs,), warps=config.dw_warps,
                     stages=config.dw_stages, interpret=interpret, name="sebp_dw",
                     input_output_aliases={4: 1} if launch.arrivals is not None else None)(
@@ -934,9 +964,25 @@ def _dw_tail(tiles: int, config: BlockConfig) -> int:
   return 0 if config.dw_split == 1 else _last_wave(tiles, config.dw_slots)
 
 
-def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLaunch:
-  """The dW GEMM's launch (:func:`dw_pallas`): ``dw_programs`` (or one per tile) over the whole
-  tiles, then ``dw_split`` programs per tail tile (:func:`_dw_tail`)."""
+def _dw_counter_slots(in_features: int, out_features: int, config: BlockConfig) -> int:
+  """Split tiles (arrival counters) of :func:`dw_pallas` on ``(M, in_features)`` and ``(M,
+  out_features)`` operands; 0: no split."""
+  return _dw_tail((in_features // config.dw_k) * (out_features // config.dw_n), config)
+
+
+def _dx_counter_slots(num_rows: int, in_features: int, out_features: int,
+                      config: BlockConfig) -> int:
+  """Split tiles (arrival counters) of :func:`dx_pallas` on a ``(num_rows, out_features)``
+  ``dyc`` and ``K = in_features``; 0: no split."""
+  _, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n, config)
+  return split_rows // config.dx_m * (in_features // config.dx_k) if split > 1 else 0
+
+
+def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool,
+             arrivals: jax.Array | None = None) -> _DwLaunch:
+  """The dW GEMM's launch (:func:`dw_pallas`): ``dw_programs`` (or one per tile) over the
+  whole tiles, then ``dw_split`` programs per tail tile (:func:`_dw_tail`), with ``arrivals``
+  as :func:`dw_pallas` takes them."""
   in_features, out_features = xc.shape[1], dyc.shape[1]
   for name in ("dw_split", "dw_min_part"):
     if getattr(config, name) < 1:
@@ -944,7 +990,7 @@ def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLau
   if config.dw_programs < 0:
     raise ValueError(f"`dw_programs` must be >= 0 (0: one per tile), got {config.dw_programs}")
   tiles = (in_features // config.dw_k) * (out_features // config.dw_n)
-  tail = _dw_tail(tiles, config)
+  tail = _dw_counter_slots(in_features, out_features, config)
   whole = tiles - tail
   programs = min(config.dw_programs or whole, whole)
   split = config.dw_split if tail else 1
@@ -954,24 +1000,28 @@ def _dw_plan(xc, dyc, config: BlockConfig, precision, interpret: bool) -> _DwLau
                            precision=precision, barrier=not interpret, compact=config.compact)
   dw_shape = jax.ShapeDtypeStruct((in_features, out_features), xc.dtype)
   if not tail:
+    if arrivals is not None:
+      raise ValueError("dw_pallas: `arrivals` given to a launch that splits no tile.")
     return _DwLaunch(programs, body, (dw_shape,), None)
-  arrivals, split_shapes = _sum_parts_buffers(split, tail, (config.dw_k, config.dw_n))
+  arrivals, split_shapes = _sum_parts_buffers(split, tail, (config.dw_k, config.dw_n), arrivals)
   return _DwLaunch(programs + tail * split, body, (dw_shape, *split_shapes), arrivals)
 
 
 def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config: BlockConfig,
                  precision=None, interpret: bool = False, kernel_nk: bool = False,
-                 accumulator: jax.Array | None = None, zero_rows: bool = True):
+                 accumulator: jax.Array | None = None, zero_rows: bool = True,
+                 dw_arrivals: jax.Array | None = None):
   """``(dx, dw)`` in one launch (``sebp_grads``): :func:`dx_pallas`'s programs, then
   :func:`dw_pallas`'s, reading ``xc`` and ``dyc`` as those do (``config.fused``). ``dw_config``:
   the dW GEMM's tiles (the sides of ``config``'s swapped with ``kernel_nk``, as
-  :func:`_products` hands them); the other arguments as :func:`dx_pallas`'s."""
+  :func:`_products` hands them); ``dw_arrivals``: :func:`dw_pallas`'s ``arrivals``; the other
+  arguments as :func:`dx_pallas`'s."""
   if config.dx_split > 1:  # its arrival counters and partial tiles are dx_pallas's alone
     raise ValueError(f"grads_pallas: needs dx_split=1, got dx_split={config.dx_split}.")
   dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
                                                   accumulator, zero_rows, interpret)
   lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
-  dw = _dw_plan(lhs, rhs, dw_config, precision, interpret)
+  dw = _dw_plan(lhs, rhs, dw_config, precision, interpret, dw_arrivals)
   accumulate = accumulator is not None
   body = functools.partial(_grads_kernel, dx_programs=dx_programs, dx_body=dx_body,
                            dw_body=dw.body, dw_nk=kernel_nk, accumulate=accumulate,
@@ -1004,38 +1054,55 @@ def _n_pad(out_features: int, config: BlockConfig) -> int:
   return _round_up(out_features, max(config.dx_n, config.dw_n))
 
 
+def _dw_config(config: BlockConfig, kernel_nk: bool) -> BlockConfig:
+  """dW's tiles in the kernel's layout: for an ``(N, K)`` kernel, the same GEMM with its operands
+  swapped, its tile's two sides too (operands are padded by tile side, so they still fit)."""
+  return dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k) if kernel_nk else config
+
+
+def _products_counter_slots(m_pad: int, k_pad: int, n_pad: int, *, config: BlockConfig,
+                            has_dx: bool, has_dw: bool, kernel_nk: bool) -> tuple[int, int]:
+  """``(dx, dw)``: the split tiles, so the arrival counters, of the dX and dW launches that
+  :func:`_products` runs on operands padded to ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``; 0
+  where a launch splits none or does not run."""
+  fused = config.fused and has_dx and has_dw  # one launch, whose dX splits nothing
+  dw_sides = (n_pad, k_pad) if kernel_nk else (k_pad, n_pad)
+  return (_dx_counter_slots(m_pad, k_pad, n_pad, config) if has_dx and not fused else 0,
+          _dw_counter_slots(*dw_sides, _dw_config(config, kernel_nk)) if has_dw else 0)
+
+
 def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
               out_features: int, config: BlockConfig, precision, interpret: bool,
-              kernel_nk: bool, dx_into, zero_rows: bool = True):
+              kernel_nk: bool, dx_into, zero_rows: bool = True, counters=(None, None)):
   """dX and dW of one layer from its (compacted or in-place) rows: ``xc`` (or ``None``) and
   ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``: one launch each, or
-  one for both (``config.fused``). ``zero_rows``: as in :func:`dx_pallas`."""
+  one for both (``config.fused``). ``zero_rows``: as in :func:`dx_pallas`. ``counters``: the
+  dX and dW launches' zeroed arrival counters (:func:`_products_counter_slots` of each, from
+  :func:`gather_pallas`), or ``None`` for zeros of XLA's."""
   _check_fused(config)
   m_pad, n_pad = dyc.shape
   k_pad = _k_pad(in_features, config) if xc is None else xc.shape[1]
   padded_kernel = None if kernel is None else _pad_to(
     kernel, (n_pad, k_pad) if kernel_nk else (k_pad, n_pad))
   accumulator = None if dx_into is None else _pad_to(dx_into, (m_pad, k_pad))
-  # dW in the kernel's layout; (N, K) is the same GEMM with its operands swapped, its tile's
-  # two sides too (the padding above is by tile side, so it still fits).
-  dw_config, dw_shape = config, (in_features, out_features)
-  if kernel_nk:
-    dw_shape = (out_features, in_features)
-    dw_config = dataclasses.replace(config, dw_k=config.dw_n, dw_n=config.dw_k)
+  dw_config = _dw_config(config, kernel_nk)
+  dw_shape = (out_features, in_features) if kernel_nk else (in_features, out_features)
+  dx_arrivals, dw_arrivals = counters
   dx = dw = None
   if config.fused and kernel is not None and xc is not None:
     dx, dw = grads_pallas(xc, dyc, padded_kernel, perm, count, config=config,
                           dw_config=dw_config, precision=precision, interpret=interpret,
-                          kernel_nk=kernel_nk, accumulator=accumulator, zero_rows=zero_rows)
+                          kernel_nk=kernel_nk, accumulator=accumulator, zero_rows=zero_rows,
+                          dw_arrivals=dw_arrivals)
   else:
     if kernel is not None:
       dx = dx_pallas(dyc, padded_kernel, perm, count, config=config, precision=precision,
                      interpret=interpret, kernel_nk=kernel_nk, accumulator=accumulator,
-                     zero_rows=zero_rows)
+                     zero_rows=zero_rows, arrivals=dx_arrivals)
     if xc is not None:
       lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
       dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
-                     interpret=interpret)
+                     interpret=interpret, arrivals=dw_arrivals)
   if dx is not None and dx.shape != (num_rows, in_features):
     dx = dx[:num_rows, :in_features]
   if dw is not None and dw.shape != dw_shape:
@@ -1060,21 +1127,34 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   num_rows, out_features = dy.shape
   in_features = _in_features(x, kernel, kernel_nk)
   m_pad = _round_up(num_rows, _row_block(config))
-  sources = [_pad_to(dy, (m_pad, _n_pad(out_features, config)))]
+  n_pad, k_pad = _n_pad(out_features, config), _k_pad(in_features, config)
+  sources = [_pad_to(dy, (m_pad, n_pad))]
   if x is not None:
-    sources.append(_pad_to(x, (m_pad, _k_pad(in_features, config))))
+    sources.append(_pad_to(x, (m_pad, k_pad)))
+  counters = (None, None)
   if config.compact:
-    sources, _ = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                               interpret=interpret)
+    slots = _products_counter_slots(m_pad, k_pad, n_pad, config=config,
+                                    has_dx=kernel is not None, has_dw=x is not None,
+                                    kernel_nk=kernel_nk)
+    sources, _, zeroed = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                                       interpret=interpret, zeroed=[n for n in slots if n])
+    counters = _deal(slots, zeroed)
   dyc, *xc = sources
   masked = keep is not None and dx_into is None
   dx, dw = _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
                      in_features=in_features, out_features=out_features, config=config,
                      precision=precision, interpret=interpret, kernel_nk=kernel_nk,
-                     dx_into=dx_into, zero_rows=not masked)
+                     dx_into=dx_into, zero_rows=not masked, counters=counters)
   if masked and dx is not None:
     dx = _zero_dropped_rows(dx, keep)
   return dx, dw
+
+
+def _deal(slots: Sequence[int], counters: Sequence[jax.Array]) -> tuple:
+  """One entry per entry of ``slots``: the next of ``counters`` (handed out in order, one per
+  non-zero entry, as :func:`gather_pallas` zeroed them), or ``None`` for 0."""
+  handed = iter(counters)
+  return tuple(next(handed) if n else None for n in slots)
 
 
 def _zero_dropped_rows(dx, keep):
@@ -1134,17 +1214,24 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   k_pad = max(_k_pad(in_features, config) for config in configs)
 
   def sparse():
-    (xc, *dycs), sums = gather_pallas(
-      [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, _n_pad(dy.shape[1], config)))
-                                      for dy, config in zip(dys, configs)],
+    n_pads = [_n_pad(dy.shape[1], config) for dy, config in zip(dys, configs)]
+    slots = [_products_counter_slots(m_pad, k_pad, n_pad, config=config, has_dx=True,
+                                     has_dw=True, kernel_nk=False)
+             for n_pad, config in zip(n_pads, configs)]
+    (xc, *dycs), sums, zeroed = gather_pallas(
+      [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, n_pad))
+                                      for dy, n_pad in zip(dys, n_pads)],
       perm, count, block_m=block_m, interpret=interpret,
-      summed=range(1, len(dys) + 1) if column_sums else ())
+      summed=range(1, len(dys) + 1) if column_sums else (),
+      zeroed=[n for pair in slots for n in pair if n])
+    counters = _deal([n for pair in slots for n in pair], zeroed)
     dx, dws = None, []
-    for kernel, dy, dyc, config in zip(kernels, dys, dycs, configs):
+    for i, (kernel, dy, dyc, config) in enumerate(zip(kernels, dys, dycs, configs)):
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         zero_rows=plan is None)  # a plan's select, as in `backward`
+                         zero_rows=plan is None,  # a plan's select, as in `backward`
+                         counters=counters[2 * i:2 * i + 2])
       dws.append(dw)
     dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
     return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
