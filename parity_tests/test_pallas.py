@@ -46,15 +46,19 @@ def _case(rng, num_rows, in_features, out_features, kept, dtype, *, quiet=0.0):
   return cast(x), cast(kernel), cast(dy)
 
 
+def _backward(x, kernel, dy, policy, *, interpret, config, kernel_nk=False, plan=None):
+  """``(dx, dw)`` of the Pallas backward, jitted, in IEEE float32 (as the reference)."""
+  return jax.jit(lambda x, k, dy: pallas_backend.backward(
+    x, k, dy, policy=policy, precision=jax.lax.Precision.HIGHEST, interpret=interpret,
+    config=config, kernel_nk=kernel_nk, plan=plan))(x, kernel, dy)
+
+
 def _check(x, kernel, dy, policy, *, interpret, config=SMALL_TILES, kernel_nk=False,
            plan=None):
   """The backward against the reference; ``kernel_nk``: handed the kernel stored ``(N, K)``, its
   ``dw`` must come back in that layout; ``plan``: a row plan of ``dy``'s non-zero rows."""
-  precision = jax.lax.Precision.HIGHEST  # IEEE float32 in the kernels, as in the reference
-  backward = jax.jit(lambda x, k, dy: pallas_backend.backward(
-    x, k, dy, policy=policy, precision=precision, interpret=interpret, config=config,
-    kernel_nk=kernel_nk, plan=plan))
-  dx, dw = backward(x, kernel.T if kernel_nk else kernel, dy)
+  dx, dw = _backward(x, kernel.T if kernel_nk else kernel, dy, policy, interpret=interpret,
+                     config=config, kernel_nk=kernel_nk, plan=plan)
   want_dx, want_dw = sebp_reference(x, kernel, None, dy, policy.threshold, policy.max_rows)
   if kernel_nk:
     want_dw = want_dw.T
@@ -186,9 +190,7 @@ def test_dx_split_launch_runs_one_part_tiles_as_the_unsplit_launch_does(interpre
   grads = {}
   for split in (1, DX_SPLIT["dx_split"]):
     config = pallas_backend.BlockConfig(**{**SMALL_TILES.__dict__, **DX_SPLIT, "dx_split": split})
-    grads[split] = jax.jit(lambda x, k, dy: pallas_backend.backward(
-      x, k, dy, policy=RowPolicy(), precision=jax.lax.Precision.HIGHEST, interpret=interpret,
-      config=config))(x, kernel, dy)
+    grads[split] = _backward(x, kernel, dy, RowPolicy(), interpret=interpret, config=config)
   assert pallas_backend._dx_launch(80, 48, 4, config)[1:] == (4, 64)  # the split compiled in
   for one_part, unsplit in zip(grads[DX_SPLIT["dx_split"]], grads[1]):
     np.testing.assert_array_equal(np.asarray(one_part), np.asarray(unsplit))
@@ -330,9 +332,11 @@ def test_gather_kernel(interpret, programs, count):
   gathered, (dy_sum,), counters = jax.jit(
     lambda sources, perm, counted: pallas_backend.gather_pallas(
       sources, perm, counted, block_m=block_m, interpret=interpret, programs=programs,
-      summed=(0,), zeroed=(5, 64)))([dy, x], perm, counted)
+      summed=(0,), zeroed=(5, 0, 64)))([dy, x], perm, counted)
   # The arrival counters of split GEMMs, zeroed in the launch (the interpreter fills what no
-  # program writes with int32's minimum), a power of two long.
+  # program writes with int32's minimum), a power of two long; none for a launch of no split.
+  assert counters[1] is None
+  counters = [counters[0], counters[2]]
   assert [(c.dtype, c.shape) for c in counters] == [(jnp.int32, (8,)), (jnp.int32, (64,))]
   assert all(not np.asarray(c).any() for c in counters)
   written = -(-count // block_m) * block_m

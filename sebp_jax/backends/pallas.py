@@ -499,7 +499,7 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   ``sums[j]`` is the ``(width,)`` sum over kept rows of ``sources[summed[j]]``: where the dropped
   rows are zero (the exact policy, a row plan), its whole column sum, a bias gradient, read from
   the rows the copy reads anyway. ``counters[j]`` is :func:`_counters`' buffer of ``zeroed[j]``
-  slots, zeroed by the launch's first program instead of a launch of their own (a memset or a
+  slots (``None`` for 0: a launch that splits nothing), zeroed by the launch's first program instead of a launch of their own (a memset or a
   copy before each split dX and dW launch: 252 of a LLaMA-3B step's, ~0.2 ms of GPU time,
   benchmarks/NOTES.md "v36").
 
@@ -526,12 +526,13 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   outputs = _launch(
     body, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in sources)
     + tuple(jax.ShapeDtypeStruct((programs, sources[i].shape[1]), jnp.float32) for i in summed)
-    + tuple(_counters(slots) for slots in zeroed),
+    + tuple(_counters(slots) for slots in zeroed if slots),
     grid=(programs, sum(chunks)), warps=_GATHER_WARPS, stages=2, interpret=interpret,
     name="sebp_gather")(count, perm, *sources)
   copies, partials = outputs[:len(sources)], outputs[len(sources):len(sources) + len(summed)]
+  counters = iter(outputs[len(sources) + len(summed):])
   return (list(copies), [jnp.sum(p, axis=0) for p in partials],
-          list(outputs[len(sources) + len(summed):]))
+          [next(counters) if slots else None for slots in zeroed])
 
 
 def _split_share(total, split, part):
@@ -906,7 +907,7 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   if arrivals is not None and split == 1:
     raise ValueError("dx_pallas: `arrivals` given to a launch that splits no tile.")
   if split > 1:
-    split_tiles = split_rows // config.dx_m * (dx_shape.shape[1] // config.dx_k)
+    split_tiles = _dx_counter_slots(dyc.shape[0], dx_shape.shape[1], dyc.shape[1], config)
     arrivals, split_shapes = _sum_parts_buffers(split, split_tiles, (config.dx_m, config.dx_k),
                                                 arrivals)
     aliases[len(operands)] = 1
@@ -1136,9 +1137,8 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
     slots = _products_counter_slots(m_pad, k_pad, n_pad, config=config,
                                     has_dx=kernel is not None, has_dw=x is not None,
                                     kernel_nk=kernel_nk)
-    sources, _, zeroed = gather_pallas(sources, perm, count, block_m=_row_block(config),
-                                       interpret=interpret, zeroed=[n for n in slots if n])
-    counters = _deal(slots, zeroed)
+    sources, _, counters = gather_pallas(sources, perm, count, block_m=_row_block(config),
+                                         interpret=interpret, zeroed=slots)
   dyc, *xc = sources
   masked = keep is not None and dx_into is None
   dx, dw = _products(xc[0] if xc else None, dyc, kernel, perm, count, num_rows=num_rows,
@@ -1148,13 +1148,6 @@ def sparse_backward(x, kernel, dy, perm, count, *, config: BlockConfig, precisio
   if masked and dx is not None:
     dx = _zero_dropped_rows(dx, keep)
   return dx, dw
-
-
-def _deal(slots: Sequence[int], counters: Sequence[jax.Array]) -> tuple:
-  """One entry per entry of ``slots``: the next of ``counters`` (handed out in order, one per
-  non-zero entry, as :func:`gather_pallas` zeroed them), or ``None`` for 0."""
-  handed = iter(counters)
-  return tuple(next(handed) if n else None for n in slots)
 
 
 def _zero_dropped_rows(dx, keep):
@@ -1218,13 +1211,12 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
     slots = [_products_counter_slots(m_pad, k_pad, n_pad, config=config, has_dx=True,
                                      has_dw=True, kernel_nk=False)
              for n_pad, config in zip(n_pads, configs)]
-    (xc, *dycs), sums, zeroed = gather_pallas(
+    (xc, *dycs), sums, counters = gather_pallas(
       [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, n_pad))
                                       for dy, n_pad in zip(dys, n_pads)],
       perm, count, block_m=block_m, interpret=interpret,
       summed=range(1, len(dys) + 1) if column_sums else (),
-      zeroed=[n for pair in slots for n in pair if n])
-    counters = _deal([n for pair in slots for n in pair], zeroed)
+      zeroed=[n for pair in slots for n in pair])
     dx, dws = None, []
     for i, (kernel, dy, dyc, config) in enumerate(zip(kernels, dys, dycs, configs)):
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
