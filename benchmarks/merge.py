@@ -20,13 +20,15 @@ import json
 import pathlib
 from typing import Sequence
 
-from benchmarks.workloads import write_results
+from benchmarks.workloads import JAX_FORWARD, write_results
 
 __all__ = ["merge_results"]
 
 # Header fields that must agree for rows of different runs to be compared. (Not ``platform``: a
 # torch-only run names it ``cuda`` where a JAX run names it ``gpu``; ``gpu`` names the card.)
 _SAME = ("benchmark", "gpu", "dtype", "seq_len", "warmup", "steps", "versions", "jax_forward")
+# What a header without the field measured.
+_UNNAMED = {"jax_forward": JAX_FORWARD}
 
 
 def merge_results(results: Sequence[dict], names: Sequence[str],
@@ -44,9 +46,9 @@ def merge_results(results: Sequence[dict], names: Sequence[str],
   first = results[0]
   for name, result in zip(names[1:], results[1:]):
     for field in _SAME:
-      if result.get(field) != first.get(field):
-        raise ValueError(f"{name}: field {field!r} is {result.get(field)!r}, "
-                         f"but {names[0]} has {first.get(field)!r}")
+      theirs, ours = (r.get(field, _UNNAMED.get(field)) for r in (result, first))
+      if theirs != ours:
+        raise ValueError(f"{name}: field {field!r} is {theirs!r}, but {names[0]} has {ours!r}")
   rows, seen = [], {}
   for name, result in zip(names, results):
     for row in result["rows"]:

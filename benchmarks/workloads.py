@@ -60,10 +60,9 @@ Measurement
   share a GPU process); ``--in-process`` runs them in one, for CPU smoke runs. Times are medians over ``steps`` distinct batches after warm-up.
 
   * JAX: three jitted programs, timed by wall clock around ``block_until_ready`` (a step lasts
-    milliseconds, its dispatch microseconds): ``fwd`` (the loss, keeping what its backward reads:
-    :func:`forward_with_residuals`), ``grad`` (loss and gradients) and ``step`` (loss, gradients
-    and the AdamW update, parameters and optimizer state donated). ``bwd_ms = grad - fwd`` and
-    ``opt_ms = step - grad``, each program timed on the same batches.
+    milliseconds, its dispatch microseconds): ``fwd`` (the loss), ``grad`` (loss and gradients)
+    and ``step`` (loss, gradients and the AdamW update, parameters and optimizer state donated).
+    ``bwd_ms = grad - fwd`` and ``opt_ms = step - grad``, each program timed on the same batches.
     (Timing the AdamW update as a program of its own, as an earlier version did, is not the same:
     on BERT-base that program's time varied from 3.8 to 6.4 ms between processes, and the
     subtraction put all of it into the backward.)
@@ -128,7 +127,7 @@ __all__ = [
   "prepared_workload", "TORCH_CROSSOVER",
   "torch_variant_model", "torch_dense_steps", "torch_forward_context", "torch_backward",
   "speedups", "GRAD_KEYS", "with_grad_ms", "markdown_table", "write_results", "main",
-  "forward_with_residuals", "JAX_FORWARD",
+  "JAX_FORWARD",
 ]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -659,45 +658,29 @@ def prepared_workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def jax_loss_and_grad(spec: ModelSpec, variant: Variant, module) -> tuple[Callable, Callable]:
-  """The variant's forward ``(params, batch) -> (loss, residuals)``
-  (:func:`forward_with_residuals`) and the ``jax.value_and_grad`` form of its loss that the
-  variant uses, both traced in its context (which backward each linear layer gets) and under its
-  ``launch`` options (the Pallas backward picks its tiles when it is traced)."""
+  """The variant's loss ``(params, batch) -> scalar``, traced in its context (which backward each
+  linear layer gets), and the ``jax.value_and_grad`` form of it that the variant uses, traced
+  under its ``launch`` options (the Pallas backward picks its tiles when it is traced)."""
 
   def loss(params, batch):
     with _jax_context(variant):
       return spec.jax_loss(module, params, batch)
 
-  def under_launch(fn):
-    def traced(params, batch):
-      with launch_options(variant.launch, framework="jax"):
-        return fn(params, batch)
-    return traced
+  value_and_grad = _jax_value_and_grad(variant, loss)
 
-  return (under_launch(forward_with_residuals(loss)),
-          under_launch(_jax_value_and_grad(variant, loss)))
+  def value_and_grad_under_launch(params, batch):
+    with launch_options(variant.launch, framework="jax"):
+      return value_and_grad(params, batch)
 
-
-# What JAX's `fwd_ms` times, as result files record it (files without the key: the loss alone).
-JAX_FORWARD = "the loss, keeping the residuals of its backward"
+  return loss, value_and_grad_under_launch
 
 
-def forward_with_residuals(loss: Callable) -> Callable:
-  """``(params, batch) -> (loss, residuals)``: the forward as the loss-and-gradients program runs
-  it, writing out what the backward reads (``jax.vjp``'s residuals), so that ``grad - fwd`` is
-  the backward. The loss alone is another program: XLA fuses an inference forward that stores
-  no activations, and at LLaMA-3B b4 that moved the difference by ~10 ms between runs
-  (benchmarks/NOTES.md, "The README's rows on today's kernels"). Residuals that are the inputs
-  themselves (parameters, the batch) are left out: a jitted program copies an input it returns.
-  """
-  import jax
-
-  def forward(params, batch):
-    value, backward = jax.vjp(lambda p: loss(p, batch), params)
-    inputs = {id(leaf) for leaf in jax.tree.leaves((params, batch))}
-    return value, [leaf for leaf in jax.tree.leaves(backward) if id(leaf) not in inputs]
-
-  return forward
+# What JAX's `fwd_ms` times, as result files record it; files without the key timed the same.
+# (Files of 2026-12-01/02 name "the loss, keeping the residuals of its backward": `jax.vjp`
+# under `jit` returning them. At LLaMA-3B its peak was ~18 GB above the loss-and-gradients
+# program's, and it overstated the forward inside `grad` by 11-21 ms; benchmarks/NOTES.md,
+# "v41: the forward that keeps its residuals is not grad's forward".)
+JAX_FORWARD = "the loss alone"
 
 
 def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[Row | dict]:
@@ -724,7 +707,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   opt_state = jax.jit(optimizer.init)(params)  # one program, not one per leaf shape
   traces = {"step": 0}
 
-  forward, value_and_grad = jax_loss_and_grad(spec, variant, module)
+  loss, value_and_grad = jax_loss_and_grad(spec, variant, module)
 
   def update(params, opt_state, grads):
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -737,7 +720,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
     value, grads = value_and_grad(params, batch)
     return (*update(params, opt_state, grads), value)
 
-  fwd_fn = jax.jit(forward)
+  fwd_fn = jax.jit(loss)
   # Gradients without the update: its peak (parameters, state, activations, one gradient tree)
   # is the training step's.
   grad_fn = jax.jit(value_and_grad)
@@ -1240,7 +1223,7 @@ def markdown_table(result: dict) -> str:
     "framework's own; jax-dense-einsum's for the einsum-built variants); grad ×: of the "
     "forward and backward together (JAX: the loss-and-gradients program as timed, of which the "
     f"backward is that program less the forward program timed alone: "
-    f"{result.get('jax_forward', 'the loss')}). bwd spread: (max − min) / "
+    f"{result.get('jax_forward', JAX_FORWARD)}). bwd spread: (max − min) / "
     "median of the torch backward over the steps. "
     f"Versions: {versions_text(result['versions'])}.{xla_flags_text(result)}"
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
