@@ -8,6 +8,12 @@ XLA's own fusions. Beside ``jax-bound`` (every linear backward free), the famili
 variant say which kernels take the time that separates it from the bound; the difference between
 ``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
 
+Each variant's GPU time is also split into the forward's kernels and the backward's
+(:func:`phase_times`: the instruction that launched a kernel, and whether the model op it came
+from is autodiff's transpose), so that the backward is timed on the device, inside the program
+that runs it, and ``GPU busy, backward`` of jax-dense over a variant's is a backward speedup
+with no subtraction of programs timed apart.
+
 Each of XLA's fusions in the kernel tables is named with the model op it came from (its
 instruction's ``op_name`` in the optimized HLO, e.g. ``bwd LlamaForCausalLM/model/layers_*/
 input_layernorm/mul``: XLA launches one kernel for identical fusions of every layer, so layer
@@ -40,9 +46,10 @@ from benchmarks.workloads import (
   single_workload_parser, versions_text, xla_flags_text,
 )
 
-__all__ = ["family_times", "fusion_sources", "gpu_kernel_events", "kernel_family", "kernel_times",
-           "memset_neighbours", "per_kernel_times", "profile_variant",
-           "traced_events", "traced_kernel_times", "variant_entry", "markdown_report"]
+__all__ = ["PHASES", "family_times", "fusion_sources", "gpu_kernel_events", "instruction_phases",
+           "kernel_family", "kernel_times", "memset_neighbours", "per_kernel_times", "phase_times",
+           "profile_variant", "traced_events", "traced_kernel_times", "variant_entry",
+           "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
 # `pallas_call` names (sebp_jax.backends.pallas), the torch reference's Triton kernels their
@@ -130,14 +137,50 @@ _WRAPPERS = re.compile(r"^(?:\w+\()+")  # jit(, transpose(jvp(, ... around a pat
 _LAYER_INDEX = re.compile(r"\b(layers?)_\d+\b")
 
 
+# `%name = ... op_name="..."`: any instruction of an optimized HLO module (a fusion, a cuBLAS or
+# Pallas custom call, one inside a conditional's branch) and the model op it came from.
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*?op_name="([^"]+)"', re.M)
+# What :func:`phase_times` sorts GPU time into.
+PHASES = ("forward", "backward", "unattributed")
+
+
+def _is_backward(op_name: str) -> bool:
+  """Whether an ``op_name`` is autodiff's transpose: ``jit(f)/transpose(jvp(Model))/...``, a
+  ``custom_vjp``'s backward rule included (``transpose(jvp(sebp_dx))/pallas_call``)."""
+  return any(segment.startswith("transpose(") for segment in op_name.split("/")[1:])
+
+
 def _source(op_name: str) -> str:
   """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` →
   ``bwd Model/model/layers_*/mlp/mul``: the jitted function's name dropped, transforms
   unwrapped, ``bwd`` where the op is autodiff's transpose, layer numbers starred."""
   segments = op_name.split("/")[1:]
-  backward = any(segment.startswith("transpose(") for segment in segments)
   path = "/".join(filter(None, (_WRAPPERS.sub("", segment).rstrip(")") for segment in segments)))
-  return ("bwd " if backward else "fwd ") + _LAYER_INDEX.sub(r"\1_*", path)
+  return ("bwd " if _is_backward(op_name) else "fwd ") + _LAYER_INDEX.sub(r"\1_*", path)
+
+
+def instruction_phases(hlo: str) -> dict[str, str]:
+  """Instruction name → ``"forward"`` or ``"backward"`` (:func:`_is_backward` of its
+  ``op_name``) for every instruction of an optimized HLO module that has an ``op_name``."""
+  return {name: "backward" if _is_backward(op_name) else "forward"
+          for name, op_name in _INSTRUCTION.findall(hlo)}
+
+
+def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> dict[str, float]:
+  """GPU ms per call of the forward's and the backward's kernels, by :data:`PHASES`.
+
+  The backward of a loss-and-gradients program timed on the device, not as that program less a
+  forward program timed alone (which XLA compiles as another program: benchmarks/NOTES.md,
+  "v41"). A kernel event's ``hlo_op`` names the instruction that launched it, whose phase
+  ``phases`` (:func:`instruction_phases`) gives; an event without one, or of an instruction
+  without an ``op_name`` (XLA's own copies), counts as ``"unattributed"``. ``events``: kernel events
+  (:func:`gpu_kernel_events`) of ``calls`` program calls.
+  """
+  totals = dict.fromkeys(PHASES, 0.0)
+  for e in events:
+    op = (e.get("args") or {}).get("hlo_op")
+    totals[phases.get(op, "unattributed")] += e.get("dur", 0.0) / 1e3 / calls
+  return totals
 
 
 def fusion_sources(hlo: str) -> dict[str, str]:
@@ -225,16 +268,17 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
   return variant_entry(variant.name, walls, per_kernel_times(events, len(timed)),
-                       memset_neighbours(events, len(timed)), fusion_sources(hlo))
+                       memset_neighbours(events, len(timed)), fusion_sources(hlo),
+                       phase_times(events, instruction_phases(hlo), len(timed)))
 
 
 def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[float, float]],
-                  memsets: list[list] | None = None,
-                  sources: dict[str, str] | None = None) -> dict:
+                  memsets: list[list] | None = None, sources: dict[str, str] | None = None,
+                  phases: dict[str, float] | None = None) -> dict:
   """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
   ``kernels`` (name -> (ms, launches) per call) summed per family, the top kernels (each with
   its model op from ``sources``, :func:`fusion_sources`, or ``""``), and ``memsets``
-  (:func:`memset_neighbours`) where given."""
+  (:func:`memset_neighbours`) and ``phases`` (:func:`phase_times`) where given."""
   sources = sources or {}
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
@@ -246,6 +290,7 @@ def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[fl
     "kernels": [[kernel, kernel_family(kernel), ms, n, sources.get(kernel, "")]
                 for kernel, (ms, n) in ranked[:_TOP]],
     **({} if memsets is None else {"memsets": memsets}),
+    **({} if phases is None else {"phases": phases}),
   }
 
 
@@ -271,6 +316,15 @@ def markdown_report(result: dict) -> str:
   for key, label, spec in (("busy_ms", "**GPU busy**", ".2f"), ("wall_ms", "**wall**", ".2f"),
                            ("launches", "kernel launches", ".0f")):
     lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
+  if any("phases" in v for v in variants):  # results written before phase_times have none
+    for phase in PHASES:
+      lines.append(f"| GPU busy, {phase} | " + " | ".join(
+        f"{v['phases'][phase]:.2f}" if "phases" in v else "–" for v in variants) + " |")
+    dense = next((v for v in variants if v["variant"] == "jax-dense" and "phases" in v), None)
+    if dense is not None:
+      lines.append("| GPU busy, backward: jax-dense's ÷ the variant's | " + " | ".join(
+        f"{dense['phases']['backward'] / v['phases']['backward']:.2f}×"
+        if v.get("phases", {}).get("backward") else "–" for v in variants) + " |")
   for v in variants:
     # Five fields per kernel, the model op last ("" where none: cuBLAS, Pallas, torch's
     # kernels); results written before that field have four. No op at all: no column.
