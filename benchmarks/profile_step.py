@@ -178,8 +178,11 @@ def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> d
   """
   totals = dict.fromkeys(PHASES, 0.0)
   for e in events:
-    op = (e.get("args") or {}).get("hlo_op")
-    totals[phases.get(op, "unattributed")] += e.get("dur", 0.0) / 1e3 / calls
+    # Nested annotations (a kernel of a fusion inside a while loop's body) list every level,
+    # outermost first, joined by "::"; the innermost one with an op name decides.
+    ops = (e.get("args") or {}).get("hlo_op", "").split("::")
+    phase = next((phases[op] for op in reversed(ops) if op in phases), "unattributed")
+    totals[phase] += e.get("dur", 0.0) / 1e3 / calls
   return totals
 
 

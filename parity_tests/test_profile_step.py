@@ -201,9 +201,10 @@ def test_phase_times_split_gpu_time_by_the_op_each_kernel_came_from():
 
   events = [kernel("nvjet_a", 300.0, "custom-call.4"), kernel("sebp_dw", 100.0, "pallas_call.7"),
             kernel("loop_multiply_fusion_27", 50.0, "loop_multiply_fusion_27"),
-            kernel("fusion_9", 20.0, "fusion.9"), kernel("Memset 0", 10.0)]
+            kernel("fusion_9", 20.0, "fusion.9"), kernel("Memset 0", 10.0),
+            kernel("loop_pad_fusion", 40.0, "while.2::loop_pad_fusion")]  # inside a loop
   times = profile_step.phase_times(events, phases, calls=2)
-  assert times == pytest.approx({"forward": 0.025, "backward": 0.2, "unattributed": 0.015})
+  assert times == pytest.approx({"forward": 0.025, "backward": 0.22, "unattributed": 0.015})
   entries = [profile_step.variant_entry(name, [2.0], {"k": (1.0, 1.0)}, phases=phase)
              for name, phase in (("jax-dense", {"forward": 1.0, "backward": 3.0,
                                                 "unattributed": 0.1}),
@@ -213,8 +214,8 @@ def test_phase_times_split_gpu_time_by_the_op_each_kernel_came_from():
     "benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "batch": 1, "seq_len": 8,
     "workload": "piqa", "active_fraction": 0.02, "traced_calls": 2, "versions": {"jax": "0"},
     "variants": entries})
-  assert "| GPU busy, backward | 3.00 | 0.20 | – |" in report
-  assert "| GPU busy, backward: jax-dense's ÷ the variant's | 1.00× | 15.00× | – |" in report
+  assert "| GPU busy, backward | 3.00 | 0.22 | – |" in report
+  assert "| GPU busy, backward: jax-dense's ÷ the variant's | 1.00× | 13.64× | – |" in report
 
 
 def test_phase_times_of_a_real_trace_find_both_phases():
