@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks import multi_device, profile_step
+from benchmarks import device_trace, multi_device, profile_step
 from benchmarks.collective_overlap import exposed_ms, is_collective, union
 from benchmarks.workloads import (LR, WEIGHT_DECAY, REPO, Settings, random_params, workload_batches,
                                   xla_flags_text)
@@ -49,7 +49,7 @@ TOP_KERNELS = 12
 def device_breakdown(events: Sequence[dict], steps: int) -> list[dict]:
   """Per device (one trace process per GPU), per step: busy, exposed collective and per-family
   ms, kernel launches and the :data:`TOP_KERNELS` longest kernels by name (``[name, ms]``);
-  ``events``: the trace's GPU kernel events (:func:`benchmarks.profile_step.gpu_kernel_events`),
+  ``events``: the trace's GPU kernel events (:func:`benchmarks.device_trace.gpu_kernel_events`),
   ``steps`` traced steps."""
   by_device: dict[Any, list[dict]] = collections.defaultdict(list)
   for event in events:
@@ -103,7 +103,7 @@ def _profile(case, spec, devices: int, variant: str, settings: Settings, tiny: b
     hlo_path.write_bytes(gzip.compress(hlo.encode()))
   timed = batches[settings.warmup:] or batches
   walls = [wall_ms(lambda: run(batch)) for batch in timed]
-  events = profile_step.gpu_kernel_events(profile_step.traced_events(
+  events = device_trace.gpu_kernel_events(device_trace.traced_events(
     lambda: [jax.block_until_ready(run(batch)) for batch in timed]))
   return {"model": case.name, "parallelism": "fsdp" if case.fsdp else "data parallel",
           "devices": devices, "per_device_batch": per_device, "workload": spec.workloads[0].name,

@@ -37,18 +37,19 @@ import json
 import pathlib
 import re
 import statistics
-import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
 from benchmarks.collective_overlap import COLLECTIVE_NEEDLES
+from benchmarks.device_trace import (
+  PHASES, gpu_kernel_events, instruction_phases, is_backward, phase_times, traced_events,
+)
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
   single_workload_parser, versions_text, xla_flags_text,
 )
 
-__all__ = ["PHASES", "family_times", "fusion_sources", "gpu_kernel_events", "instruction_phases",
-           "kernel_family", "kernel_times", "memset_neighbours", "per_kernel_times", "phase_times",
-           "profile_variant", "traced_events", "traced_kernel_times", "variant_entry",
+__all__ = ["family_times", "fusion_sources", "kernel_family", "kernel_times", "memset_neighbours",
+           "per_kernel_times", "profile_variant", "traced_kernel_times", "variant_entry",
            "markdown_report"]
 
 # (family, substrings of a kernel's name), first match wins. The Pallas kernels carry their
@@ -137,53 +138,13 @@ _WRAPPERS = re.compile(r"^(?:\w+\()+")  # jit(, transpose(jvp(, ... around a pat
 _LAYER_INDEX = re.compile(r"\b(layers?)_\d+\b")
 
 
-# `%name = ... op_name="..."`: any instruction of an optimized HLO module (a fusion, a cuBLAS or
-# Pallas custom call, one inside a conditional's branch) and the model op it came from.
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*?op_name="([^"]+)"', re.M)
-# What :func:`phase_times` sorts GPU time into.
-PHASES = ("forward", "backward", "unattributed")
-
-
-def _is_backward(op_name: str) -> bool:
-  """Whether an ``op_name`` is autodiff's transpose: ``jit(f)/transpose(jvp(Model))/...``, a
-  ``custom_vjp``'s backward rule included (``transpose(jvp(sebp_dx))/pallas_call``)."""
-  return any(segment.startswith("transpose(") for segment in op_name.split("/")[1:])
-
-
 def _source(op_name: str) -> str:
   """``jit(f)/transpose(jvp(Model))/model/layers_3/mlp/mul`` →
   ``bwd Model/model/layers_*/mlp/mul``: the jitted function's name dropped, transforms
   unwrapped, ``bwd`` where the op is autodiff's transpose, layer numbers starred."""
   segments = op_name.split("/")[1:]
   path = "/".join(filter(None, (_WRAPPERS.sub("", segment).rstrip(")") for segment in segments)))
-  return ("bwd " if _is_backward(op_name) else "fwd ") + _LAYER_INDEX.sub(r"\1_*", path)
-
-
-def instruction_phases(hlo: str) -> dict[str, str]:
-  """Instruction name → ``"forward"`` or ``"backward"`` (:func:`_is_backward` of its
-  ``op_name``) for every instruction of an optimized HLO module that has an ``op_name``."""
-  return {name: "backward" if _is_backward(op_name) else "forward"
-          for name, op_name in _INSTRUCTION.findall(hlo)}
-
-
-def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> dict[str, float]:
-  """GPU ms per call of the forward's and the backward's kernels, by :data:`PHASES`.
-
-  The backward of a loss-and-gradients program timed on the device, not as that program less a
-  forward program timed alone (which XLA compiles as another program: benchmarks/NOTES.md,
-  "v41"). A kernel event's ``hlo_op`` names the instruction that launched it, whose phase
-  ``phases`` (:func:`instruction_phases`) gives; an event without one, or of an instruction
-  without an ``op_name`` (XLA's own copies), counts as ``"unattributed"``. ``events``: kernel events
-  (:func:`gpu_kernel_events`) of ``calls`` program calls.
-  """
-  totals = dict.fromkeys(PHASES, 0.0)
-  for e in events:
-    # Nested annotations (a kernel of a fusion inside a while loop's body) list every level,
-    # outermost first, joined by "::"; the innermost one with an op name decides.
-    ops = (e.get("args") or {}).get("hlo_op", "").split("::")
-    phase = next((phases[op] for op in reversed(ops) if op in phases), "unattributed")
-    totals[phase] += e.get("dur", 0.0) / 1e3 / calls
-  return totals
+  return ("bwd " if is_backward(op_name) else "fwd ") + _LAYER_INDEX.sub(r"\1_*", path)
 
 
 def fusion_sources(hlo: str) -> dict[str, str]:
@@ -200,44 +161,10 @@ def family_times(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
   return dict(sorted(families.items(), key=lambda item: -item[1]))
 
 
-def gpu_kernel_events(events: Iterable[dict]) -> list[dict]:
-  """The kernel events of a trace's device timelines: complete events (``"ph": "X"``) of
-  processes whose name contains ``GPU`` (one process per device, its ``pid``), except on threads
-  that annotate XLA modules or ops, which span the kernels they launch."""
-  events = list(events)
-  processes = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"}
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  return [e for e in events
-          if e.get("ph") == "X" and "GPU" in processes.get(e.get("pid"), "")
-          and "XLA" not in threads.get((e.get("pid"), e.get("tid")), "")]
-
-
-def _trace_events(trace_dir: pathlib.Path) -> list[dict]:
-  files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
-  if not files:
-    raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
-  with gzip.open(files[-1]) as f:
-    trace = json.load(f)
-  return trace["traceEvents"] if isinstance(trace, dict) else trace
-
-
 def traced_kernel_times(run: Callable[[], Any], calls: int) -> dict[str, tuple[float, float]]:
   """:func:`kernel_times` of what ``run()`` launches (``calls`` program calls), traced with
   ``jax.profiler``; ``run`` must block until its results are ready."""
   return kernel_times(traced_events(run), calls)
-
-
-def traced_events(run: Callable[[], Any]) -> list[dict]:
-  """The trace events of what ``run()`` launches, traced with ``jax.profiler``; ``run`` must
-  block until its results are ready."""
-  import jax
-
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      run()
-    return _trace_events(pathlib.Path(trace_dir))
 
 
 def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,

@@ -540,6 +540,11 @@ class Row:
   compile_s: float | None = None
   error: str | None = None
   bwd_spread: float | None = None
+  # JAX on a GPU: the loss-and-gradients program's GPU time by phase (benchmarks.device_trace),
+  # the backward's kernels timed inside the one program, no forward program subtracted.
+  gpu_fwd_ms: float | None = None
+  gpu_bwd_ms: float | None = None
+  gpu_unattributed_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -693,6 +698,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   import jax
   import optax
 
+  from benchmarks.device_trace import PHASES, traced_phase_times
   from benchmarks.timing import environment, wall_ms
 
   yield environment()
@@ -763,6 +769,13 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
           step_times.append((time.perf_counter() - start) * 1e3)
         row.step_ms = _median(step_times)
         row.bwd_ms, row.opt_ms = grad_ms - row.fwd_ms, row.step_ms - grad_ms
+        if len(firsts) == 1:  # one program (the per-batch variant's shapes are several)
+          hlo = grad_fn.lower(params, timed[0]).compile().as_text()  # a cache hit
+          phases = traced_phase_times(
+            lambda: [jax.block_until_ready(grad_fn(params, b)) for b in timed], hlo, len(timed))
+          if phases is not None:  # None on a CPU
+            row.gpu_fwd_ms, row.gpu_bwd_ms, row.gpu_unattributed_ms = (
+              phases[phase] for phase in PHASES)
       except Exception as e:  # recorded; the next workload runs (if the state survived)
         row.error = _error_text(e)
       yield row
@@ -1189,7 +1202,9 @@ def speedups(rows: Sequence[dict], keys: Sequence[str] = ("bwd_ms", "step_ms"),
     if b is None or r["error"] is not None:
       out[(r["workload"], r["batch"], r["variant"])] = (None,) * len(keys)
       continue
-    ratio = lambda key: b[key] / r[key] if r[key] and r[key] > 0 else None  # noqa: E731
+    # Keys that older result files lack count as not measured.
+    ratio = lambda key: (b[key] / r[key]  # noqa: E731
+                         if r.get(key) and r[key] > 0 and b.get(key) is not None else None)
     out[(r["workload"], r["batch"], r["variant"])] = tuple(ratio(key) for key in keys)
   return out
 
@@ -1214,7 +1229,7 @@ def _fmt(value, spec: str = ".2f") -> str:
 def markdown_table(result: dict) -> str:
   """The rows as a markdown table, with speedups against ``jax-dense``."""
   rows = [with_grad_ms(r) for r in result["rows"]]
-  ratios = speedups(rows, GRAD_KEYS)
+  ratios = speedups(rows, (*GRAD_KEYS, "gpu_bwd_ms"))
   lines = [
     f"# {result['benchmark']}: {result['gpu']}, {result['dtype']}, context {result['seq_len']}",
     "",
@@ -1223,25 +1238,28 @@ def markdown_table(result: dict) -> str:
     "framework's own; jax-dense-einsum's for the einsum-built variants); grad ×: of the "
     "forward and backward together (JAX: the loss-and-gradients program as timed, of which the "
     f"backward is that program less the forward program timed alone: "
-    f"{result.get('jax_forward', JAX_FORWARD)}). bwd spread: (max − min) / "
+    f"{result.get('jax_forward', JAX_FORWARD)}). bwd GPU: the GPU time of the backward's "
+    "kernels inside the loss-and-gradients program (JAX on a GPU: `benchmarks.device_trace`), "
+    "no program subtracted. bwd spread: (max − min) / "
     "median of the torch backward over the steps. "
     f"Versions: {versions_text(result['versions'])}.{xla_flags_text(result)}"
     + (" Merged from the runs " + ", ".join(result["merged_from"]) + "."
        if result.get("merged_from") else ""),
     "",
-    "| workload | batch | active % | variant | fwd ms | bwd ms | opt ms | step ms | bwd × "
-    "| grad × | step × | peak GB | compiles | bwd spread | error |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| workload | batch | active % | variant | fwd ms | bwd ms | bwd GPU ms | opt ms | step ms "
+    "| bwd × | bwd GPU × | grad × | step × | peak GB | compiles | bwd spread | error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
-    bwd_x, grad_x, step_x = ratios[(r["workload"], r["batch"], r["variant"])]
+    bwd_x, grad_x, step_x, gpu_bwd_x = ratios[(r["workload"], r["batch"], r["variant"])]
     peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 1e9
     spread = r.get("bwd_spread")  # torch rows; absent from older result files
     error = (r["error"] or "").replace("|", "/").replace("\n", " ")[:120]
     lines.append(
       f"| {r['workload']} | {r['batch']} | {100 * r['active_fraction']:.1f} | {r['variant']} "
-      f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['opt_ms'])} "
-      f"| {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(grad_x)} | {_fmt(step_x)} "
+      f"| {_fmt(r['fwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r.get('gpu_bwd_ms'))} "
+      f"| {_fmt(r['opt_ms'])} | {_fmt(r['step_ms'])} | {_fmt(bwd_x)} | {_fmt(gpu_bwd_x)} "
+      f"| {_fmt(grad_x)} | {_fmt(step_x)} "
       f"| {_fmt(peak)} "
       f"| {_fmt(r['compile_count'], 'd')} | {_fmt(spread, '.0%')} | {error} |")
   return "\n".join(lines) + "\n"

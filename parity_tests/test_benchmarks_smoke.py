@@ -443,6 +443,14 @@ def test_markdown_gives_the_forward_and_backward_together_beside_the_backward():
                                                      "fwd_ms": None, "bwd_ms": None}]}
   failed_row = next(l for l in workloads.markdown_table(failed).splitlines() if "oom" in l)
   assert dict(zip(header, cells(failed_row)))["grad ×"] == "–"
+  # The backward's GPU time inside the program, where a GPU run measured it; rows without it
+  # (CPU runs, torch rows, files written before it) show none.
+  assert column["bwd GPU ms"] == column["bwd GPU ×"] == "–"
+  for row, gpu_bwd_ms in zip(result["rows"], (12.0, 3.0)):
+    row["gpu_bwd_ms"] = gpu_bwd_ms
+  column = dict(zip(header, cells(next(line for line in workloads.markdown_table(result)
+                                       .splitlines() if "jax-sebp-pallas" in line))))
+  assert (column["bwd GPU ms"], column["bwd GPU ×"]) == ("3.00", "4.00")
 
 
 # What the runs of 2026-12-01/02 timed as JAX's forward (benchmarks/results/v41_h200).

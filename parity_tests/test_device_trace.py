@@ -1,0 +1,96 @@
+"""Reading jax.profiler traces (``benchmarks/device_trace.py``): the trace files jax.profiler
+writes, and the split of a program's GPU time into its forward's and its backward's kernels, on
+hand-written HLO lines in the shape XLA prints them and on a real (CPU) trace, whose thunks name
+their instructions as a GPU's kernels do."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import device_trace  # noqa: E402
+
+# Instructions of an optimized LLaMA step in the shape XLA prints them (jax 0.11.2): a fusion
+# inside a fused computation, fusions of both phases, a cuBLAS and a Pallas custom call of the
+# backward, and a fusion with no op_name.
+_HLO = '''HloModule jit_step
+%fused_pad (param_0.1: f32[4,8]) -> bf16[4,8] {
+  %exp.57.7 = f32[4,8]{1,0} exponential(%param_0.1), metadata={op_name="jit(step)/transpose(jvp(jit(log_softmax)))/exp"}
+}
+ENTRY %main {
+  %loop_multiply_fusion_27 = bf16[4096,8192]{1,0} fusion(%c), kind=kLoop, calls=%fused_multiply, metadata={op_name="jit(step)/jvp(LlamaForCausalLM)/model/layers_12/mlp/mul"}
+  %loop_pad_fusion = bf16[1,4096,128256]{2,1,0} fusion(%d), kind=kLoop, calls=%fused_pad, metadata={op_name="jit(step)/transpose(jvp())/pad" stack_frame_id=34}
+  %custom-call.4 = bf16[4096,3072]{1,0} custom-call(%g), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(LlamaForCausalLM))/model/layers_3/mlp/down_proj/dot_general"}
+  %pallas_call.7 = bf16[4096,3072]{1,0} custom-call(%h), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/transpose(jvp(sebp_dw))/pallas_call"}
+  ROOT %fusion.9 = f32[8]{0} fusion(%f), kind=kLoop, calls=%fused_computation
+}
+'''
+
+
+def _kernel(name: str, dur: float, hlo_op: str | None = None) -> dict:
+  args = {} if hlo_op is None else {"hlo_op": hlo_op, "hlo_module": "jit_step"}
+  return {"ph": "X", "pid": 1, "tid": 13, "name": name, "ts": 0.0, "dur": dur, "args": args}
+
+
+def test_phase_times_split_gpu_time_by_the_op_each_kernel_came_from():
+  phases = device_trace.instruction_phases(_HLO)
+  assert phases == {"exp.57.7": "backward", "loop_multiply_fusion_27": "forward",
+                    "loop_pad_fusion": "backward", "custom-call.4": "backward",
+                    "pallas_call.7": "backward"}  # not %fusion.9, which has no op_name
+  events = [_kernel("nvjet_a", 300.0, "custom-call.4"), _kernel("sebp_dw", 100.0, "pallas_call.7"),
+            _kernel("loop_multiply_fusion_27", 50.0, "loop_multiply_fusion_27"),
+            _kernel("fusion_9", 20.0, "fusion.9"), _kernel("Memset 0", 10.0),
+            _kernel("loop_pad_fusion", 40.0, "while.2::loop_pad_fusion")]  # inside a loop
+  assert device_trace.phase_times(events, phases, calls=2) == pytest.approx(
+    {"forward": 0.025, "backward": 0.22, "unattributed": 0.015})
+
+
+def test_trace_events_reads_what_jax_profiler_writes(tmp_path):
+  square = jax.jit(lambda x: x * x)
+  x = jnp.ones((8,))
+  square(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    square(x).block_until_ready()
+  events = device_trace._trace_events(tmp_path)
+  processes = {e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  assert any("/host:" in name for name in processes)
+  assert any(e.get("ph") == "X" for e in events)
+  with pytest.raises(RuntimeError, match="no perfetto trace"):
+    device_trace._trace_events(tmp_path / "empty")
+
+
+def _sebp_grad():
+  from sebp_jax import sebp_matmul
+
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(sebp_matmul(x, w, impl="xla", crossover=1.0)) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss))
+  w, x = jnp.ones((128, 64)), jnp.ones((256, 128))
+  jax.block_until_ready(grad(w, x))
+  return grad, (w, x)
+
+
+def test_phase_times_of_a_real_trace_find_both_phases():
+  # On a CPU the thunks that XLA runs carry `hlo_op` as a GPU's kernels do; the program's own
+  # HLO sorts them into the forward's and the backward's (here SEBP's dX and dW products).
+  grad, args = _sebp_grad()
+  phases = device_trace.instruction_phases(grad.lower(*args).compile().as_text())
+  events = [e for e in device_trace.traced_events(lambda: jax.block_until_ready(grad(*args)))
+            if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+  times = device_trace.phase_times(events, phases, calls=1)
+  assert times["forward"] > 0 and times["backward"] > 0
+  assert {phases[e["args"]["hlo_op"]] for e in events if e["args"]["hlo_op"] in phases} == {
+    "forward", "backward"}
+
+
+def test_traced_phase_times_is_none_without_gpu_kernels():
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("a GPU is present: the model benchmarks' GPU rows carry the phases")
+  grad, args = _sebp_grad()
+  hlo = grad.lower(*args).compile().as_text()
+  assert device_trace.traced_phase_times(lambda: jax.block_until_ready(grad(*args)), hlo, 1) is None
