@@ -1,7 +1,9 @@
 """The ranges the README quotes from a model benchmark's result file.
 
 For every variant and batch size, over the workloads with padding (``active_fraction < 1``):
-the backward, forward-and-backward (``grad``) and train-step speedups over ``jax-dense``, the
+the backward, forward-and-backward (``grad``) and train-step speedups over ``jax-dense`` (and
+the backward's GPU time inside the loss-and-gradients program over ``jax-dense``'s, where the
+run measured it: ``gpu_bwd_ms``, with its way to ``jax-bound``), the
 backward speedup over the variant's own framework's dense (``jax-dense`` or ``torch-dense``;
 ``torch-dense-caller-thread`` / ``torch-dense-graphed`` / ``torch-dense-compiled`` /
 ``torch-dense-compiled-graphed`` for the caller-thread / graphed / compiled / compiled and
@@ -60,15 +62,16 @@ def _span(values: list[float]) -> tuple[float, float] | None:
 
 
 def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float, float] | None]]:
-  """``(batch, variant) -> {"bwd_x", "grad_x", "step_x", "own_bwd_x", "way", "mem",
-  "full_step"}``: each a ``(low, high)`` range (``None`` where nothing measured it).
-  ``bwd_x``/``grad_x``/``step_x`` are over ``jax-dense`` (``grad_x``: the forward and backward
-  together, :func:`~benchmarks.workloads.with_grad_ms`); ``own_bwd_x``, ``way``, ``mem`` (+0.01
+  """``(batch, variant) -> {"bwd_x", "grad_x", "step_x", "gpu_bwd_x", "own_bwd_x", "way",
+  "gpu_way", "mem", "full_step"}``: each a ``(low, high)`` range (``None`` where nothing
+  measured it). ``bwd_x``/``grad_x``/``step_x``/``gpu_bwd_x`` are over ``jax-dense``
+  (``grad_x``: the forward and backward together, :func:`~benchmarks.workloads.with_grad_ms`;
+  ``gpu_bwd_x`` and ``gpu_way``: of ``gpu_bwd_ms``); ``own_bwd_x``, ``way``, ``mem`` (+0.01
   = 1 % more) and ``full_step`` against the variant's own framework's dense and bound
   (:data:`REFERENCES`; graphed torch variants: the graphed ones)."""
   rows = [with_grad_ms(r) for r in result["rows"] if r["error"] is None]
   by_key = {(r["workload"], r["batch"], r["variant"]): r for r in rows}
-  ratios = speedups(rows, GRAD_KEYS)
+  ratios = speedups(rows, (*GRAD_KEYS, "gpu_bwd_ms"))
   collected: dict[tuple[int, str], dict[str, list[float]]] = {}
   for r in rows:
     dense_name, bound_name = _references(r)
@@ -76,13 +79,13 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
     if dense is None:
       continue
     into = collected.setdefault((r["batch"], r["variant"]), {
-      "bwd_x": [], "grad_x": [], "step_x": [], "own_bwd_x": [], "way": [], "mem": [],
-      "full_step": []})
+      "bwd_x": [], "grad_x": [], "step_x": [], "gpu_bwd_x": [], "own_bwd_x": [], "way": [],
+      "gpu_way": [], "mem": [], "full_step": []})
     if r["active_fraction"] >= 1.0:
       into["full_step"].append(r["step_ms"] / dense["step_ms"])
       continue
     # `speedups` leaves a ratio out (None) where a time is not positive: a noisy difference.
-    for name, ratio in zip(("bwd_x", "grad_x", "step_x"),
+    for name, ratio in zip(("bwd_x", "grad_x", "step_x", "gpu_bwd_x"),
                            ratios[(r["workload"], r["batch"], r["variant"])]):
       if ratio is not None:
         into[name].append(ratio)
@@ -95,6 +98,10 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
     if (bound is not None and r["variant"] not in (dense_name, bound_name)
         and bound["bwd_ms"] < dense["bwd_ms"]):
       into["way"].append(way_to_bound(dense["bwd_ms"], r["bwd_ms"], bound["bwd_ms"]))
+    gpu = [row.get("gpu_bwd_ms") for row in (dense, r, bound or {})]
+    if (None not in gpu and r["variant"] not in (dense_name, bound_name)
+        and gpu[2] < gpu[0]):
+      into["gpu_way"].append(way_to_bound(*gpu))
     if r["peak_mem_bytes"] and dense["peak_mem_bytes"]:
       into["mem"].append(r["peak_mem_bytes"] / dense["peak_mem_bytes"] - 1.0)
   return {key: {name: _span(values) for name, values in found.items()}
@@ -117,18 +124,20 @@ def markdown_summary(result: dict) -> str:
     "Ranges over the padded workloads; × is over jax-dense, \"own\" over the variant's own "
     "framework's dense and bound; full length is the step time over its own dense's.",
     "",
-    "| batch | variant | backward × | grad × | step × | backward × own dense | way to own bound "
-    "| peak memory vs own dense | full-length step / own dense |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| batch | variant | backward × | grad × | step × | backward GPU × | backward × own dense "
+    "| way to own bound | way to bound, GPU | peak memory vs own dense "
+    "| full-length step / own dense |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (batch, variant), spans in variant_ranges(result).items():
     mem = None if spans["mem"] is None else tuple(100 * v for v in spans["mem"])
-    way = None if spans["way"] is None else tuple(100 * v for v in spans["way"])
+    way, gpu_way = (None if spans[k] is None else tuple(100 * v for v in spans[k])
+                    for k in ("way", "gpu_way"))
     lines.append(
       f"| {batch} | {variant} | {_fmt(spans['bwd_x'], '.2f', '×')} "
       f"| {_fmt(spans['grad_x'], '.2f', '×')} | {_fmt(spans['step_x'], '.2f', '×')} "
-      f"| {_fmt(spans['own_bwd_x'], '.2f', '×')} "
-      f"| {_fmt(way, '.0f', ' %')} "
+      f"| {_fmt(spans['gpu_bwd_x'], '.2f', '×')} | {_fmt(spans['own_bwd_x'], '.2f', '×')} "
+      f"| {_fmt(way, '.0f', ' %')} | {_fmt(gpu_way, '.0f', ' %')} "
       f"| {_fmt(mem, '+.2f', ' %')} | {_fmt(spans['full_step'], '.3f', '×')} |")
   return "\n".join(lines) + "\n"
 

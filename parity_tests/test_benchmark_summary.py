@@ -69,10 +69,24 @@ def test_variant_ranges_cover_the_padded_workloads():
 def test_markdown_summary_writes_one_row_per_variant():
   text = summary.markdown_summary(RESULT)
   # grad ×: (fwd + bwd) over jax-dense's, every fwd 1 ms here.
-  assert ("| 4 | jax-sebp-pallas | 2.00–2.50× | 1.86–2.20× | 1.43–1.50× | 2.00–2.50× | 75 % "
-          "| +1.00 % | 1.020× |") in text
-  assert "| 4 | torch-dense | 0.50× | 0.52× | 0.50× | 1.00× | – | – | – |" in text
-  assert "| 4 | torch-sebp | 1.25× | 1.22× | 0.62× | 2.50× | 75 % | – | – |" in text
+  assert ("| 4 | jax-sebp-pallas | 2.00–2.50× | 1.86–2.20× | 1.43–1.50× | – | 2.00–2.50× "
+          "| 75 % | – | +1.00 % | 1.020× |") in text
+  assert "| 4 | torch-dense | 0.50× | 0.52× | 0.50× | – | 1.00× | – | – | – | – |" in text
+  assert "| 4 | torch-sebp | 1.25× | 1.22× | 0.62× | – | 2.50× | 75 % | – | – | – |" in text
+
+
+def test_the_backward_timed_on_the_gpu_has_its_own_ranges():
+  # gpu_bwd_ms: the backward's kernels inside the loss-and-gradients program, where a GPU run
+  # measured it (workload "a" only here); its way to the bound from the same measure.
+  gpu = {("a", "jax-dense"): 9.0, ("a", "jax-bound"): 1.0, ("a", "jax-sebp-pallas"): 3.0}
+  result = {**RESULT, "rows": [{**r, "gpu_bwd_ms": gpu.get((r["workload"], r["variant"]))}
+                               for r in RESULT["rows"]]}
+  sebp = summary.variant_ranges(result)[(4, "jax-sebp-pallas")]
+  assert sebp["gpu_bwd_x"] == (3.0, 3.0)               # 9 / 3; "b" has none
+  assert sebp["gpu_way"] == (0.75, 0.75)               # (9-3)/(9-1)
+  assert sebp["bwd_x"] == (2.0, 2.5)                   # the wall-clock ranges unchanged
+  assert summary.variant_ranges(RESULT)[(4, "jax-sebp-pallas")]["gpu_bwd_x"] is None
+  assert "| 3.00× | 2.00–2.50× | 75 % | 75 % |" in summary.markdown_summary(result)
 
 
 def test_command_buffer_variants_compare_with_dense_and_bound_under_the_same_flags():
