@@ -229,6 +229,8 @@ def test_bert_tiny_end_to_end_in_process(tmp_path):
   _check_schema(result, variants, {4})
   dynamic = [r for r in result["rows"] if r["impl"] == "dynamic"]
   assert dynamic and all(r["compile_count"] >= 1 for r in dynamic)  # one per length bucket
+  # The backward's GPU time is a GPU's: a CPU trace has no kernels, so no row claims one.
+  assert all(r["gpu_bwd_ms"] is None for r in result["rows"])
 
 
 def test_caller_thread_variants_call_backward_with_autograds_worker_threads_off():
