@@ -9,8 +9,8 @@ variant say which kernels take the time that separates it from the bound; the di
 ``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
 
 Each variant's GPU time is also split into the forward's kernels and the backward's
-(:func:`phase_times`: the instruction that launched a kernel, and whether the model op it came
-from is autodiff's transpose), so that the backward is timed on the device, inside the program
+(:func:`benchmarks.device_trace.phase_times`: the instruction that launched a kernel, and
+whether the model op it came from is autodiff's transpose), so that the backward is timed on the device, inside the program
 that runs it, and ``GPU busy, backward`` of jax-dense over a variant's is a backward speedup
 with no subtraction of programs timed apart.
 

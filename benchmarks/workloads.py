@@ -65,7 +65,10 @@ Measurement
     ``bwd_ms = grad - fwd`` and ``opt_ms = step - grad``, each program timed on the same batches.
     (Timing the AdamW update as a program of its own, as an earlier version did, is not the same:
     on BERT-base that program's time varied from 3.8 to 6.4 ms between processes, and the
-    subtraction put all of it into the backward.)
+    subtraction put all of it into the backward.) On a GPU, one more traced call per timed batch
+    splits ``grad``'s GPU time into its forward's and its backward's kernels
+    (``gpu_fwd_ms``/``gpu_bwd_ms``, :mod:`benchmarks.device_trace`): the backward timed inside
+    the one program, no forward program subtracted.
   * torch: CUDA events around the forward, ``backward()`` and ``optimizer.step()`` of one eager
     training step (``perf_counter`` on CPU). The ``*-graphed`` variants time the replays of the
     step's three graphs (forward, backward, optimizer) the same way; the batch is copied into the
