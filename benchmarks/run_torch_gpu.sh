@@ -43,29 +43,8 @@ py=${PYTHON:-python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 summary="$out/summary_torch.md"
-{
-  echo "# torch reference on one GPU, suite $suite ($(date -u +%F), git $(git rev-parse --short HEAD 2>/dev/null))"
-  echo '```'
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-  echo '```'
-} > "$summary" 2>&1
-cat "$summary"
-# stage LIMIT TITLE CMD...: runs CMD under LIMIT seconds; its output goes to the terminal and,
-# fenced under TITLE, to the summary (the last 60 lines).
-stage() {
-  local limit=$1 title=$2; shift 2
-  echo "== $title (limit ${limit}s)"
-  SECONDS=0
-  timeout "$limit" "$@" > "$out/stage.log" 2>&1
-  local rc=$?
-  cat "$out/stage.log"
-  { printf '\n## %s (rc %s after %ss, limit %ss)\n\n```\n' "$title" "$rc" "$SECONDS" "$limit"
-    tail -60 "$out/stage.log"; echo '```'; } >> "$summary"
-  echo "== rc $rc after ${SECONDS}s"
-}
-# append FILE...: markdown files written by a stage, into the summary.
-append() { for f in "$@"; do [ -f "$f" ] && { printf '\n### %s\n\n' "$(basename "$f")"; cat "$f"; } >> "$summary"; done; }
+source "$(dirname "$0")/gpu_stages.sh"
+summary_header "torch reference on one GPU, suite $suite" "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
 if [ "$suite" = tests ]; then
   stage 240 "GPU tests (torch files)" $py -m pytest parity_tests/test_torch_launch.py \
