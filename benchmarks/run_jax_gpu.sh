@@ -13,13 +13,15 @@
 # * bert: the README's BERT-base b32 row, the same three on every workload.
 # * profile-llama-b1, profile-llama-b4: `benchmarks.profile_step` of the three on PIQA: GPU time
 #   per kernel family and per phase (forward, backward), wall and busy time, launches.
+# * mosaic-probe: the Mosaic GPU dX probe's GPU test, then `benchmarks.mosaic_probe` (LLaMA-3.2-3B
+#   b1's weights at 64 and 128 kept rows, against XLA's GEMM on the same rows).
 #
 # Each stage writes its own files naming the card and library versions, and appends what it
 # printed to $OUT/jax/summary_jax.md, the one file that carries every number.
 set -u
 suite=${1:-llama-b1}
-case "$suite" in tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4) ;;
-  *) echo "usage: bash benchmarks/run_jax_gpu.sh [tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4]" >&2
+case "$suite" in tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4|mosaic-probe) ;;
+  *) echo "usage: bash benchmarks/run_jax_gpu.sh [tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4|mosaic-probe]" >&2
      exit 2;;
 esac
 out=${OUT:-benchmarks/results}/jax
@@ -54,5 +56,11 @@ case "$suite" in
     stage 570 "LLaMA-3.2-3B b$batch profile, PIQA" $py -m benchmarks.profile_step --model llama \
       --batch "$batch" --workload piqa --out-dir "$out" --variants $variants
     append "$out/profile_llama_b${batch}_piqa.md";;
+  mosaic-probe)
+    stage 120 "GPU test of the Mosaic GPU dX probe" $py -m pytest parity_tests/test_mosaic_probe.py \
+      -m gpu -q -p no:cacheprovider
+    stage 400 "Mosaic GPU dX probe (LLaMA-3.2-3B b1 weights)" $py -m benchmarks.mosaic_probe \
+      --out "$out/mosaic_probe.json"
+    append "$out/mosaic_probe.md";;
 esac
 rm -f "$out/stage.log"
