@@ -1,7 +1,13 @@
 # Sourced by benchmarks/run_jax_gpu.sh and benchmarks/run_torch_gpu.sh: one summary file per suite
 # and stages that each run under a time limit of their own, so that a slow or failing stage costs
-# only its share of a device call. The caller sets $out (a folder), $summary (a file in it) and
-# $py (the Python to run).
+# only its share of a device call. The caller sets $framework (jax or torch); results go to
+# $OUT/$framework (default benchmarks/results/$framework), run by $PYTHON (default python).
+out=${OUT:-benchmarks/results}/$framework
+mkdir -p "$out"
+py=${PYTHON:-python}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+summary="$out/summary_$framework.md"
 
 # summary_header TITLE CODE: starts $summary with TITLE, the date and commit, the card and what
 # the Python CODE prints (library versions).

@@ -8,7 +8,8 @@ built: dX of the kept rows, ``dyc @ kernel.T``, as a Mosaic GPU kernel (Pallas' 
 loads into swizzled shared memory, ``max_concurrent_steps`` of them in flight, WGMMA), each
 program one column block of ``dX`` and one share of the contraction, so that every SM streams a
 share of the weight; beside it XLA's GEMM (cuBLAS) on the same rows. The partial sums are added
-by XLA afterwards (timed apart): a backend would sum them in the kernel, as ours does.
+by XLA (not timed): a backend would sum them in the kernel, as ours does. dW of the same rows,
+``xc.T @ dyc``, likewise: one program per dW tile, its contraction the kept rows, stored by TMA.
 
 Usage (one GPU; writes JSON and markdown)::
 
@@ -30,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["ProbeConfig", "CONFIGS", "SHAPES", "dx_partials", "dx_reference", "markdown"]
+__all__ = ["ProbeConfig", "DX_CONFIGS", "DW_CONFIGS", "SHAPES", "dw", "dw_reference",
+           "dx_partials", "dx_reference", "markdown"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +52,31 @@ class ProbeConfig:
   stages: int = 4
 
 
-CONFIGS = {
+DX_CONFIGS = {
   "k128_n64_s4": ProbeConfig(),
   "k128_n64_s8": ProbeConfig(splits=8),
   "k128_n128_s4": ProbeConfig(block_n=128, stages=3),
   "k64_n64_s4": ProbeConfig(block_k=64, stages=6),
 }
+DW_CONFIGS = {  # dW's contraction is the kept rows: `splits` unused, one or two pipeline steps
+  "k128_n128": ProbeConfig(block_n=128, splits=1, stages=2),
+  "k128_n64": ProbeConfig(splits=1, stages=2),
+  "k64_n128": ProbeConfig(block_k=64, block_n=128, splits=1, stages=2),
+}
 # LLaMA-3.2-3B's weights as (contraction N, dX columns K): dX = dY (M, N) @ kernel (K, N)^T.
 SHAPES = {"llama_up": (8192, 3072), "llama_down": (3072, 8192), "llama_qo": (3072, 3072)}
 ROWS = (64, 128)  # kept rows, padded to WGMMA's 64-row steps (b1: ~85 kept)
+
+
+def _store(acc: jax.Array, out_gmem) -> None:
+  """``acc`` into the GMEM tile ``out_gmem`` in its dtype, through shared memory and a TMA store."""
+
+  @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM(acc.shape, out_gmem.dtype))
+  def store(out_smem):
+    out_smem[...] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _dx_partials_kernel(dy_gmem, w_gmem, out_gmem, *, rows: int, block_k: int, block_n: int,
@@ -77,13 +95,7 @@ def _dx_partials_kernel(dy_gmem, w_gmem, out_gmem, *, rows: int, block_k: int, b
     return acc_ref[...]
 
   acc = pl.run_scoped(accumulate, plgpu.ACC((rows, block_k)))
-
-  @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((rows, block_k), jnp.float32))
-  def store(out_smem):
-    out_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[part, :, pl.ds(col * block_k, block_k)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  _store(acc, out_gmem.at[part, :, pl.ds(col * block_k, block_k)])
 
 
 def dx_partials(dyc: jax.Array, kernel: jax.Array, config: ProbeConfig = ProbeConfig()):
@@ -117,33 +129,81 @@ def dx_partials(dyc: jax.Array, kernel: jax.Array, config: ProbeConfig = ProbeCo
   )(dyc, kernel)
 
 
+def _dw_kernel(xc_gmem, dy_gmem, out_gmem, *, block_k: int, block_n: int, block_m: int,
+               steps: int, stages: int):
+  row, col = lax.axis_index("k"), lax.axis_index("n")
+
+  def accumulate(acc_ref):
+    plgpu.emit_pipeline(
+      lambda _, x_smem, dy_smem: plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)),
+                                             dy_smem),
+      grid=(steps,),
+      in_specs=[plgpu.BlockSpec((block_m, block_k), lambda j: (j, row)),
+                plgpu.BlockSpec((block_m, block_n), lambda j: (j, col))],
+      max_concurrent_steps=stages,
+    )(xc_gmem, dy_gmem)
+    return acc_ref[...]
+
+  acc = pl.run_scoped(accumulate, plgpu.ACC((block_k, block_n)))
+  _store(acc, out_gmem.at[pl.ds(row * block_k, block_k), pl.ds(col * block_n, block_n)])
+
+
+def dw(xc: jax.Array, dyc: jax.Array, config: ProbeConfig = ProbeConfig()) -> jax.Array:
+  """``xc.T @ dyc`` ``(K, N)`` in ``xc``'s dtype, accumulated in float32: dW of the kept rows.
+
+  Args:
+    xc: ``(M, K)`` kept rows of the layer input, ``M`` a multiple of 64.
+    dyc: ``(M, N)`` the same rows of the output gradient, same dtype.
+    config: tiles of dW: ``block_k`` × ``block_n``, the rows 64 a pipeline step; ``splits``
+      unused (the contraction is the few kept rows).
+  """
+  m, k = xc.shape
+  dy_m, n = dyc.shape
+  if xc.dtype != dyc.dtype:
+    raise ValueError(f"dw: `xc` is {xc.dtype} but `dyc` {dyc.dtype}.")
+  if dy_m != m or m % 64:
+    raise ValueError(f"dw: `xc` {xc.shape} and `dyc` {dyc.shape} need the same rows, a "
+                     f"multiple of 64.")
+  if k % config.block_k or n % config.block_n:
+    raise ValueError(f"dw: `config` {config} does not tile dW {(k, n)}.")
+  body = functools.partial(_dw_kernel, block_k=config.block_k, block_n=config.block_n,
+                           block_m=64, steps=m // 64, stages=min(config.stages, m // 64))
+  return plgpu.kernel(
+    body, out_type=jax.ShapeDtypeStruct((k, n), xc.dtype),
+    grid=(k // config.block_k, n // config.block_n), grid_names=("k", "n"),
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(xc, dyc)
+
+
+def dw_reference(xc: jax.Array, dyc: jax.Array) -> jax.Array:
+  """``xc.T @ dyc`` by XLA, in ``xc``'s dtype."""
+  return lax.dot_general(xc, dyc, (((0,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32).astype(xc.dtype)
+
+
 def dx_reference(dyc: jax.Array, kernel: jax.Array) -> jax.Array:
   """``dyc @ kernel.T`` by XLA (cuBLAS on a GPU), accumulated in float32."""
   return lax.dot_general(dyc, kernel, (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
 
 
-def _measure(shape: str, rows: int, reps: int) -> list[dict]:
+def _timed(shape: str, rows: int, product: str, fn, reference, sets, configs: dict,
+           weight_bytes: int) -> list[dict]:
+  """Rows of one product: XLA's, then ``fn`` under each of ``configs``, each checked against
+  ``reference`` on the first input set before it is timed over all of them."""
   from benchmarks.timing import device_time_ms
 
-  n, k = SHAPES[shape]
-  keys = jax.random.split(jax.random.key(rows), 2 * reps)
-  # Distinct weights per call: none of them stays in L2 for the next (H200's is 50 MB).
-  sets = [(jax.random.normal(keys[2 * i], (rows, n), jnp.bfloat16),
-           jax.random.normal(keys[2 * i + 1], (k, n), jnp.bfloat16) / n ** 0.5)
-          for i in range(reps)]
-  weight_bytes = k * n * 2
-  reference = dx_reference(*sets[0])
-  results = [{"shape": shape, "rows": rows, "kernel": "xla (cuBLAS)", "error": 0.0,
-              "ms": device_time_ms(dx_reference, sets)}]
-  for name, config in CONFIGS.items():
-    row = {"shape": shape, "rows": rows, "kernel": f"mosaic {name}"}
+  want = reference(*sets[0]).astype(jnp.float32)
+  results = [{"shape": shape, "rows": rows, "product": product, "kernel": "xla (cuBLAS)",
+              "error": 0.0, "ms": device_time_ms(reference, sets)}]
+  for name, config in configs.items():
+    row = {"shape": shape, "rows": rows, "product": product, "kernel": f"mosaic {name}"}
     try:
-      got = dx_partials(*sets[0], config).sum(0)
-      row["error"] = float(jnp.max(jnp.abs(got - reference)) / jnp.max(jnp.abs(reference)))
-      row["ms"] = device_time_ms(functools.partial(dx_partials, config=config), sets)
-      row["summed_ms"] = device_time_ms(
-        lambda a, b, c=config: dx_partials(a, b, c).sum(0).astype(jnp.bfloat16), sets)
+      got = fn(*sets[0], config).astype(jnp.float32)
+      got = got.sum(0) if got.ndim == 3 else got  # dX's partial sums
+      row["error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+      row["ms"] = device_time_ms(functools.partial(fn, config=config), sets)
     except Exception as e:  # noqa: BLE001 - a configuration that fails to compile is a result
       row["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
     results.append(row)
@@ -153,17 +213,33 @@ def _measure(shape: str, rows: int, reps: int) -> list[dict]:
   return results
 
 
+def _measure(shape: str, rows: int, reps: int) -> list[dict]:
+  n, k = SHAPES[shape]
+  keys = jax.random.split(jax.random.key(rows), 3 * reps)
+  # Distinct weights per call: none of them stays in L2 for the next (H200's is 50 MB).
+  dys = [jax.random.normal(keys[3 * i], (rows, n), jnp.bfloat16) for i in range(reps)]
+  kernels = [jax.random.normal(keys[3 * i + 1], (k, n), jnp.bfloat16) / n ** 0.5
+             for i in range(reps)]
+  xs = [jax.random.normal(keys[3 * i + 2], (rows, k), jnp.bfloat16) for i in range(reps)]
+  weight_bytes = k * n * 2  # dX reads it, dW writes it
+  return (_timed(shape, rows, "dX", dx_partials, dx_reference, list(zip(dys, kernels)),
+                 DX_CONFIGS, weight_bytes)
+          + _timed(shape, rows, "dW", dw, dw_reference, list(zip(xs, dys)), DW_CONFIGS,
+                   weight_bytes))
+
+
 def markdown(result: dict) -> str:
   """The probe's rows as a table."""
   lines = [f"# Mosaic GPU dX probe: {result['device']}, bfloat16, jax {result['jax']}", "",
-           "dX of the kept rows (`dyc @ kernel.T`); device time of one call over distinct "
-           "inputs; TB/s: the weight's bytes over the kernel's time (partial sums not added).",
-           "", "| shape | rows | kernel | ms | summed ms | weight TB/s | max rel error | failed |",
+           "dX (`dyc @ kernel.T`, Mosaic: float32 partial sums, not added) and dW (`xc.T @ "
+           "dyc`) of the kept rows; device time of one call over distinct inputs; TB/s: the "
+           "weight's bytes (read by dX, written by dW) over the time.",
+           "", "| shape | rows | product | kernel | ms | weight TB/s | max rel error | failed |",
            "|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
     lines.append(
-      f"| {r['shape']} | {r['rows']} | {r['kernel']} | {r.get('ms', float('nan')):.4f} "
-      f"| {r.get('summed_ms', float('nan')):.4f} | {r.get('weight_tb_s', float('nan')):.2f} "
+      f"| {r['shape']} | {r['rows']} | {r['product']} | {r['kernel']} "
+      f"| {r.get('ms', float('nan')):.4f} | {r.get('weight_tb_s', float('nan')):.2f} "
       f"| {r.get('error', float('nan')):.1e} | {r.get('failed', '')} |")
   return "\n".join(lines) + "\n"
 
@@ -178,10 +254,11 @@ def _main(argv: Sequence[str] | None = None) -> None:
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
   for shape in SHAPES:
     for rows in ROWS:
-      result["rows"] += _measure(shape, rows, args.reps)
+      measured = _measure(shape, rows, args.reps)
+      result["rows"] += measured
       args.out.write_text(json.dumps(result, indent=1) + "\n")  # a cut-short run keeps its rows
       args.out.with_suffix(".md").write_text(markdown(result))
-      print(markdown(result).splitlines()[-1], flush=True)
+      print("\n".join(markdown(result).splitlines()[-len(measured):]), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@
 # * bert: the README's BERT-base b32 row, the same three on every workload.
 # * profile-llama-b1, profile-llama-b4: `benchmarks.profile_step` of the three on PIQA: GPU time
 #   per kernel family and per phase (forward, backward), wall and busy time, launches.
-# * mosaic-probe: the Mosaic GPU dX probe's GPU test, then `benchmarks.mosaic_probe` (LLaMA-3.2-3B
-#   b1's weights at 64 and 128 kept rows, against XLA's GEMM on the same rows).
+# * mosaic-probe: the Mosaic GPU dX and dW probes' GPU test, then `benchmarks.mosaic_probe`
+#   (LLaMA-3.2-3B b1's weights at 64 and 128 kept rows, against XLA's GEMMs on the same rows).
 #
 # Each stage writes its own files naming the card and library versions, and appends what it
 # printed to $OUT/jax/summary_jax.md, the one file that carries every number.
@@ -24,12 +24,7 @@ case "$suite" in tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4|
   *) echo "usage: bash benchmarks/run_jax_gpu.sh [tests|llama-b1|llama-b4|bert|profile-llama-b1|profile-llama-b4|mosaic-probe]" >&2
      exit 2;;
 esac
-out=${OUT:-benchmarks/results}/jax
-mkdir -p "$out"
-py=${PYTHON:-python}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-summary="$out/summary_jax.md"
+framework=jax
 source "$(dirname "$0")/gpu_stages.sh"
 summary_header "sebp_jax on one GPU, suite $suite" "import jax, jaxlib, flax, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'triton', triton.__version__, jax.devices())"
 

@@ -37,12 +37,7 @@ case "$suite" in tests|eager|compiled-bert|compiled-bert-host|compiled-llama|com
   *) echo "usage: bash benchmarks/run_torch_gpu.sh [tests|eager|compiled-bert|compiled-bert-host|compiled-llama|compiled-llama-ab|layer]" >&2
      exit 2;;
 esac
-out=${OUT:-benchmarks/results}/torch
-mkdir -p "$out"
-py=${PYTHON:-python}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-summary="$out/summary_torch.md"
+framework=torch
 source "$(dirname "$0")/gpu_stages.sh"
 summary_header "torch reference on one GPU, suite $suite" "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
