@@ -37,12 +37,13 @@ __all__ = ["ProbeConfig", "DX_CONFIGS", "DW_CONFIGS", "SHAPES", "dw", "dw_refere
 
 @dataclasses.dataclass(frozen=True)
 class ProbeConfig:
-  """One launch of :func:`dx_partials`.
+  """One launch of :func:`dx_partials` or :func:`dw`.
 
   Attributes:
-    block_k: columns of ``dX`` (rows of the weight) per program.
-    block_n: contraction columns per pipeline step (one TMA load of each operand).
-    splits: programs that share one column block's contraction, each summing its own share.
+    block_k: columns of ``dX`` (rows of the weight, of ``dW``) per program.
+    block_n: dX: contraction columns per pipeline step (one TMA load of each operand); dW: its
+      columns per program.
+    splits: dX: programs that share one column block's contraction, each summing its own share.
     stages: pipeline steps in flight (``max_concurrent_steps``).
   """
 
