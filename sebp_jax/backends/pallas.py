@@ -499,9 +499,9 @@ def gather_pallas(sources, perm, count, *, block_m: int, interpret: bool = False
   ``sums[j]`` is the ``(width,)`` sum over kept rows of ``sources[summed[j]]``: where the dropped
   rows are zero (the exact policy, a row plan), its whole column sum, a bias gradient, read from
   the rows the copy reads anyway. ``counters[j]`` is :func:`_counters`' buffer of ``zeroed[j]``
-  slots (``None`` for 0: a launch that splits nothing), zeroed by the launch's first program instead of a launch of their own (a memset or a
-  copy before each split dX and dW launch: 252 of a LLaMA-3B step's, ~0.2 ms of GPU time,
-  benchmarks/NOTES.md "v36").
+  slots (``None`` for 0: a launch that splits nothing), zeroed by the launch's first program
+  instead of a copy launch of their own before each split dX and dW launch (167 of a LLaMA-3B
+  b1 step's, 0.15 ms of GPU time; benchmarks/NOTES.md "v36 measured").
 
   The grid is ``programs`` (default :func:`_gather_programs`) times column chunks of every
   source, each program looping over its row blocks up to ``count``'s. Column chunks: with few
