@@ -95,13 +95,11 @@ def variant_ranges(result: dict) -> dict[tuple[int, str], dict[str, tuple[float,
     # Meaningful for the variants that run SEBP (or pad less), not for the references themselves,
     # and only where the bound is faster than dense: an eager torch step that waits on the host
     # can have a bound (a Python backward per layer too) slower than dense's GPU-bound one.
-    if (bound is not None and r["variant"] not in (dense_name, bound_name)
-        and bound["bwd_ms"] < dense["bwd_ms"]):
-      into["way"].append(way_to_bound(dense["bwd_ms"], r["bwd_ms"], bound["bwd_ms"]))
-    gpu = [row.get("gpu_bwd_ms") for row in (dense, r, bound or {})]
-    if (None not in gpu and r["variant"] not in (dense_name, bound_name)
-        and gpu[2] < gpu[0]):
-      into["gpu_way"].append(way_to_bound(*gpu))
+    for name, key in (("way", "bwd_ms"), ("gpu_way", "gpu_bwd_ms")):
+      times = [None if row is None else row.get(key) for row in (dense, r, bound)]
+      if (None not in times and r["variant"] not in (dense_name, bound_name)
+          and times[2] < times[0]):
+        into[name].append(way_to_bound(*times))
     if r["peak_mem_bytes"] and dense["peak_mem_bytes"]:
       into["mem"].append(r["peak_mem_bytes"] / dense["peak_mem_bytes"] - 1.0)
   return {key: {name: _span(values) for name, values in found.items()}

@@ -117,6 +117,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from benchmarks.device_trace import PHASES, traced_phase_times
 from benchmarks.kernel_options import KERNEL_GRID, launch_options
 from sebp_jax import xla_flags
 
@@ -701,7 +702,6 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
   import jax
   import optax
 
-  from benchmarks.device_trace import PHASES
   from benchmarks.timing import environment, wall_ms
 
   yield environment()
@@ -790,8 +790,6 @@ def _backward_on_device(grad_fn: Callable, params, batches: Sequence, variant: s
   """:func:`benchmarks.device_trace.traced_phase_times` of one call of the jitted ``grad_fn`` per
   batch: ``None`` on a CPU, and where the profiler fails (said on stderr; the timed row stays)."""
   import jax
-
-  from benchmarks.device_trace import traced_phase_times
 
   try:
     hlo = grad_fn.lower(params, batches[0]).compile().as_text()  # the timed program: a cache hit
