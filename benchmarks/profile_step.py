@@ -10,9 +10,9 @@ variant say which kernels take the time that separates it from the bound; the di
 
 Each variant's GPU time is also split into the forward's kernels and the backward's
 (:func:`benchmarks.device_trace.phase_times`: the instruction that launched a kernel, and
-whether the model op it came from is autodiff's transpose), so that the backward is timed on the device, inside the program
-that runs it, and ``GPU busy, backward`` of jax-dense over a variant's is a backward speedup
-with no subtraction of programs timed apart.
+whether the model op it came from is autodiff's transpose), so that the backward is timed on
+the device, inside the program that runs it, and ``GPU busy, backward`` of jax-dense over a
+variant's is a backward speedup with no subtraction of programs timed apart.
 
 Each of XLA's fusions in the kernel tables is named with the model op it came from (its
 instruction's ``op_name`` in the optimized HLO, e.g. ``bwd LlamaForCausalLM/model/layers_*/
