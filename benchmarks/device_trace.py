@@ -10,6 +10,7 @@ program that XLA compiles and schedules on its own (benchmarks/NOTES.md, "v41").
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import pathlib
@@ -24,8 +25,9 @@ __all__ = ["PHASES", "gpu_kernel_events", "instruction_phases", "is_backward", "
 # `%name = ... op_name="..."`: any instruction of an optimized HLO module (a fusion, a cuBLAS or
 # Pallas custom call, one inside a conditional's branch) and the model op it came from.
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = [^\n]*?op_name="([^"]+)"', re.M)
-# What :func:`phase_times` sorts GPU time into.
-PHASES = ("forward", "backward", "unattributed")
+# What :func:`phase_times` gives: GPU time of the forward's and the backward's kernels, and of
+# the kernels among them whose own instruction says the other phase (included in the two).
+PHASES = ("forward", "backward", "misplaced")
 
 
 def is_backward(op_name: str) -> bool:
@@ -42,23 +44,70 @@ def instruction_phases(hlo: str) -> dict[str, str]:
 
 
 def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> dict[str, float]:
-  """GPU ms per call of the forward's and the backward's kernels, by :data:`PHASES`.
+  """GPU ms per call of a loss-and-gradients program's forward and backward, by :data:`PHASES`.
 
-  The backward of a loss-and-gradients program timed on the device, not as that program less a
-  forward program timed alone (which XLA compiles as another program: benchmarks/NOTES.md,
-  "v41"). A kernel event's ``hlo_op`` names the instruction that launched it, whose phase
-  ``phases`` (:func:`instruction_phases`) gives; an event without one, or of an instruction
-  without an ``op_name`` (XLA's own copies), counts as ``"unattributed"``. ``events``: kernel events
-  (:func:`gpu_kernel_events`) of ``calls`` program calls.
+  The backward timed on the device, inside the program that runs it, not as that program less a
+  forward program timed alone (which XLA compiles and schedules as another program:
+  benchmarks/NOTES.md, "v41"). Each call runs its forward, then its backward: the kernels, in
+  the order they ran, are cut into ``calls`` forward and backward stretches where the least
+  GPU time lands on the side its own instruction does not say. A kernel's own phase is its
+  instruction's (``phases``, :func:`instruction_phases`), found by the event's ``hlo_op`` or by
+  the kernel's name, which is its fusion's (kernels replayed from a CUDA graph name the command
+  buffer as their ``hlo_op``); cuBLAS's, a Pallas call's and XLA's copies name none and go with
+  the stretch they ran in. Why a cut and not each kernel's own phase (NOTES, "The backward on
+  the device, first run"): XLA launches one kernel for identical fusions and names it after the
+  first, so a forward fusion that the backward recomputes runs under a forward name, and it
+  schedules work that depends on no activation (the loss mask's gradient) inside the forward.
+  ``misplaced`` is that time. ``events``: kernel events (:func:`gpu_kernel_events`) of ``calls``
+  calls of one program.
   """
+  by_kernel_name = {name.replace(".", "_"): phase for name, phase in phases.items()}
+  kernels = sorted(events, key=lambda e: e.get("ts", 0.0))
+  own = [_own_phase(e, phases, by_kernel_name) for e in kernels]
+  durations = [e.get("dur", 0.0) / 1e3 / calls for e in kernels]
+  stretches = _cut(own, durations, calls)
   totals = dict.fromkeys(PHASES, 0.0)
-  for e in events:
-    # Nested annotations (a kernel of a fusion inside a while loop's body) list every level,
-    # outermost first, joined by "::"; the innermost one with an op name decides.
-    ops = (e.get("args") or {}).get("hlo_op", "").split("::")
-    phase = next((phases[op] for op in reversed(ops) if op in phases), "unattributed")
-    totals[phase] += e.get("dur", 0.0) / 1e3 / calls
+  for stretch, phase, ms in zip(stretches, own, durations):
+    side = "backward" if stretch % 2 else "forward"
+    totals[side] += ms
+    if phase not in (None, side):
+      totals["misplaced"] += ms
   return totals
+
+
+def _own_phase(event: dict, phases: dict[str, str], by_kernel_name: dict[str, str]) -> str | None:
+  # Nested annotations (a kernel of a fusion inside a while loop's body) list every level,
+  # outermost first, joined by "::"; the innermost one with an op name decides.
+  ops = (event.get("args") or {}).get("hlo_op", "").split("::")
+  return next((phases[op] for op in reversed(ops) if op in phases),
+              by_kernel_name.get(event.get("name", "")))
+
+
+def _cut(own: list[str | None], durations: list[float], calls: int) -> list[int]:
+  """The stretch (0, 1, ..., 2 ``calls`` - 1: forward, backward, forward, ...) of each kernel
+  that puts the least time against its own phase; of equal cuts, the latest (a kernel with no
+  phase of its own before the first backward one stays in the forward)."""
+  stretches = 2 * calls
+  inf = float("inf")
+  cost = [0.0] + [inf] * (stretches - 1)  # best cost of the kernels so far, ending in stretch s
+  came_from = []
+  for phase, ms in zip(own, durations):
+    step, origin = [], []
+    for s in range(stretches):
+      stay, advance = cost[s], cost[s - 1] if s else inf
+      # Of equal costs, entering stretch s at this kernel: the cut as late as it can be.
+      best, source = (advance, s - 1) if advance <= stay else (stay, s)
+      against = ms if phase is not None and phase != ("backward" if s % 2 else "forward") else 0.0
+      step.append(best + against)
+      origin.append(source)
+    cost = step
+    came_from.append(origin)
+  s = min(range(stretches), key=lambda t: (cost[t], -t))  # a trace cut short ends early
+  path = []
+  for origin in reversed(came_from):
+    path.append(s)
+    s = origin[s]
+  return path[::-1]
 
 
 def gpu_kernel_events(events: Iterable[dict]) -> list[dict]:

@@ -9,8 +9,8 @@ variant say which kernels take the time that separates it from the bound; the di
 ``wall ms`` and ``busy ms`` is time the GPU idles (host round trips, launch gaps).
 
 Each variant's GPU time is also split into the forward's kernels and the backward's
-(:func:`benchmarks.device_trace.phase_times`: the instruction that launched a kernel, and
-whether the model op it came from is autodiff's transpose), so that the backward is timed on
+(:func:`benchmarks.device_trace.phase_times`: each traced call cut where its kernels turn from
+the forward's model ops to autodiff's transpose), so that the backward is timed on
 the device, inside the program that runs it, and ``GPU busy, backward`` of jax-dense over a
 variant's is a backward speedup with no subtraction of programs timed apart.
 
@@ -185,10 +185,14 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   from benchmarks.timing import wall_ms
 
   _, value_and_grad = jax_loss_and_grad(spec, variant, module)
-  grad_fn = jax.jit(value_and_grad)
   warm, timed = batches[0], batches[1:]
+  # The compiled program itself is timed and traced, so that the kernels in the trace are those
+  # of the HLO read here: a second compile of the same function may autotune its GEMMs otherwise
+  # and number its fusions differently (benchmarks/NOTES.md, "The backward on the device, first
+  # run").
+  grad_fn = jax.jit(value_and_grad).lower(params, warm).compile()
   jax.block_until_ready(grad_fn(params, warm))
-  hlo = grad_fn.lower(params, warm).compile().as_text()  # the same program: a cache hit
+  hlo = grad_fn.as_text()
   if hlo_path is not None:
     hlo_path.write_bytes(gzip.compress(hlo.encode()))
   walls = [wall_ms(lambda: grad_fn(params, batch)) for _ in range(repeats) for batch in timed]
@@ -247,8 +251,9 @@ def markdown_report(result: dict) -> str:
                            ("launches", "kernel launches", ".0f")):
     lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
   if any("phases" in v for v in variants):  # results written before phase_times have none
-    for phase in PHASES:
-      lines.append(f"| GPU busy, {phase} | " + " | ".join(
+    for phase, label in zip(PHASES, ("GPU busy, forward", "GPU busy, backward",
+                                     "of which on the other side's instruction (misplaced)")):
+      lines.append(f"| {label} | " + " | ".join(
         f"{v['phases'][phase]:.2f}" if "phases" in v else "–" for v in variants) + " |")
     dense = next((v for v in variants if v["variant"] == "jax-dense" and "phases" in v), None)
     if dense is not None:

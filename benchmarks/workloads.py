@@ -548,7 +548,7 @@ class Row:
   # the backward's kernels timed inside the one program, no forward program subtracted.
   gpu_fwd_ms: float | None = None
   gpu_bwd_ms: float | None = None
-  gpu_unattributed_ms: float | None = None
+  gpu_misplaced_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -775,7 +775,7 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
         if len(firsts) == 1:  # one program (the per-batch variant's shapes are several)
           phases = _backward_on_device(grad_fn, params, timed, row.variant)
           if phases is not None:
-            row.gpu_fwd_ms, row.gpu_bwd_ms, row.gpu_unattributed_ms = (
+            row.gpu_fwd_ms, row.gpu_bwd_ms, row.gpu_misplaced_ms = (
               phases[phase] for phase in PHASES)
       except Exception as e:  # recorded; the next workload runs (if the state survived)
         row.error = _error_text(e)
@@ -788,13 +788,18 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
 def _backward_on_device(grad_fn: Callable, params, batches: Sequence, variant: str,
                         ) -> dict[str, float] | None:
   """:func:`benchmarks.device_trace.traced_phase_times` of one call of the jitted ``grad_fn`` per
-  batch: ``None`` on a CPU, and where the profiler fails (said on stderr; the timed row stays)."""
+  batch: ``None`` on a CPU, and where the profiler fails (said on stderr; the timed row stays).
+
+  The program traced is the one compiled here, whose HLO names the kernels in the trace; it
+  is the timed program where the compile is a cache hit, and another autotuning of the same
+  function where it is not (benchmarks/NOTES.md, "The backward on the device, first run")."""
   import jax
 
   try:
-    hlo = grad_fn.lower(params, batches[0]).compile().as_text()  # the timed program: a cache hit
+    compiled = grad_fn.lower(params, batches[0]).compile()
     return traced_phase_times(
-      lambda: [jax.block_until_ready(grad_fn(params, b)) for b in batches], hlo, len(batches))
+      lambda: [jax.block_until_ready(compiled(params, b)) for b in batches], compiled.as_text(),
+      len(batches))
   except Exception as e:  # noqa: BLE001 - the profiler's failures have no common type
     print(f"{variant}: no GPU phases ({type(e).__name__}: {e})", file=sys.stderr)
     return None

@@ -30,22 +30,52 @@ ENTRY %main {
 '''
 
 
-def _kernel(name: str, dur: float, hlo_op: str | None = None) -> dict:
+def _kernel(name: str, ts: float, dur: float, hlo_op: str | None = None) -> dict:
   args = {} if hlo_op is None else {"hlo_op": hlo_op, "hlo_module": "jit_step"}
-  return {"ph": "X", "pid": 1, "tid": 13, "name": name, "ts": 0.0, "dur": dur, "args": args}
+  return {"ph": "X", "pid": 1, "tid": 13, "name": name, "ts": ts, "dur": dur, "args": args}
 
 
-def test_phase_times_split_gpu_time_by_the_op_each_kernel_came_from():
+def test_instruction_phases_read_each_instructions_op_name():
+  assert device_trace.instruction_phases(_HLO) == {
+    "exp.57.7": "backward", "loop_multiply_fusion_27": "forward", "loop_pad_fusion": "backward",
+    "custom-call.4": "backward", "pallas_call.7": "backward"}  # not %fusion.9: no op_name
+
+
+def test_phase_times_cut_each_call_where_its_backward_starts():
+  # Launched op by op: each kernel names its instruction (inside a loop: "while.2::...").
+  # cuBLAS's kernels and XLA's copies go with the stretch they ran in.
   phases = device_trace.instruction_phases(_HLO)
-  assert phases == {"exp.57.7": "backward", "loop_multiply_fusion_27": "forward",
-                    "loop_pad_fusion": "backward", "custom-call.4": "backward",
-                    "pallas_call.7": "backward"}  # not %fusion.9, which has no op_name
-  events = [_kernel("nvjet_a", 300.0, "custom-call.4"), _kernel("sebp_dw", 100.0, "pallas_call.7"),
-            _kernel("loop_multiply_fusion_27", 50.0, "loop_multiply_fusion_27"),
-            _kernel("fusion_9", 20.0, "fusion.9"), _kernel("Memset 0", 10.0),
-            _kernel("loop_pad_fusion", 40.0, "while.2::loop_pad_fusion")]  # inside a loop
+  events = [_kernel("loop_multiply_fusion_27", 0, 50.0, "loop_multiply_fusion_27"),
+            _kernel("nvjet_fwd", 60, 200.0, "custom-call.9"),  # an instruction without op_name
+            _kernel("fusion_9", 270, 20.0, "fusion.9"),
+            _kernel("loop_pad_fusion", 300, 40.0, "while.2::loop_pad_fusion"),
+            _kernel("nvjet_bwd", 350, 300.0, "custom-call.4"),
+            _kernel("sebp_dw", 660, 100.0, "pallas_call.7"), _kernel("Memset 0", 770, 10.0)]
+  assert device_trace.phase_times(events, phases, calls=1) == pytest.approx(
+    {"forward": 0.27, "backward": 0.45, "misplaced": 0.0})
+
+
+def test_phase_times_of_kernels_replayed_from_a_cuda_graph():
+  # The format of an H200's trace (jax 0.11.2): every kernel of a command buffer names the
+  # buffer as its `hlo_op`, so fusions are found by their kernel names. Two calls; in each, the
+  # backward runs a forward fusion again (XLA launches one kernel, named after the first, for
+  # identical fusions) and the forward runs a fusion of the backward that needs no activation.
+  phases = device_trace.instruction_phases(_HLO)
+
+  def replayed(name, ts, dur):
+    return _kernel(name, ts, dur, "command_buffer_1")
+
+  call = [("loop_multiply_fusion_27", 50.0), ("loop_pad_fusion", 5.0), ("nvjet_a", 200.0),
+          ("loop_multiply_fusion_27", 50.0),                      # the forward ends
+          ("loop_pad_fusion", 40.0), ("nvjet_b", 300.0), ("loop_multiply_fusion_27", 20.0),
+          ("sebp_dw", 100.0), ("Memset 0", 10.0), ("loop_pad_fusion", 40.0)]
+  events = [replayed(name, 1000 * c + 10 * i, dur)
+            for c in range(2) for i, (name, dur) in enumerate(call)]
   assert device_trace.phase_times(events, phases, calls=2) == pytest.approx(
-    {"forward": 0.025, "backward": 0.22, "unattributed": 0.015})
+    {"forward": 0.305, "backward": 0.51, "misplaced": 0.025})
+  # Traced alone, a forward with no backward after it is all forward.
+  assert device_trace.phase_times(events[:4], phases, calls=1) == pytest.approx(
+    {"forward": 0.305, "backward": 0.0, "misplaced": 0.005})
 
 
 def test_trace_events_reads_what_jax_profiler_writes(tmp_path):

@@ -67,19 +67,20 @@ def test_dw_refuses_shapes_it_cannot_tile_by_name(xc, dyc, message):
 def test_the_probes_equal_xlas_products(product, config):
   if not any(card in jax.devices()[0].device_kind for card in ("H100", "H200")):
     pytest.skip("Mosaic GPU's WGMMA needs a Hopper GPU")
+  # A contraction as long as LLaMA-3.2-3B's up projection's: 32 pipeline steps a program, so that
+  # a load overwriting operands a WGMMA still reads shows (it did, at 4 steps it did not).
   keys = jax.random.split(jax.random.key(0), 3)
-  dyc = jax.random.normal(keys[0], (128, 1024), jnp.bfloat16)
+  dyc = jax.random.normal(keys[0], (128, 8192), jnp.bfloat16)
   if product == "dX":
-    kernel = jax.random.normal(keys[1], (256, 1024), jnp.bfloat16)
+    kernel = jax.random.normal(keys[1], (256, 8192), jnp.bfloat16)
     got = _probe(product, config)(dyc, kernel).sum(0)
     want = mosaic_probe.dx_reference(dyc, kernel)
-    tolerance = 1e-5  # float32 sums of exact products, in another order
   else:
     xc = jax.random.normal(keys[2], (128, 256), jnp.bfloat16)
     got = _probe(product, config)(xc, dyc).astype(jnp.float32)
     want = mosaic_probe.dw_reference(xc, dyc).astype(jnp.float32)
-    tolerance = 2 ** -7  # both rounded once to bfloat16
-  assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < tolerance
+  error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+  assert error < mosaic_probe.TOLERANCE[product]
 
 
 def test_markdown_gives_each_row_and_what_failed():

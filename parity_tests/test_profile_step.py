@@ -167,8 +167,8 @@ def test_top_kernels_show_their_model_op_and_old_results_still_render():
 
 
 def test_the_report_gives_each_variants_backward_kernels_and_dense_over_them():
-  phases = {"jax-dense": {"forward": 1.0, "backward": 3.0, "unattributed": 0.1},
-            "jax-sebp-pallas": {"forward": 1.0, "backward": 0.22, "unattributed": 0.1},
+  phases = {"jax-dense": {"forward": 1.0, "backward": 3.0, "misplaced": 0.1},
+            "jax-sebp-pallas": {"forward": 1.0, "backward": 0.22, "misplaced": 0.1},
             "jax-bound": None}  # e.g. a result written before the phases
   entries = [profile_step.variant_entry(name, [2.0], {"k": (1.0, 1.0)}, phases=phase)
              for name, phase in phases.items()]
