@@ -186,10 +186,9 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
 
   _, value_and_grad = jax_loss_and_grad(spec, variant, module)
   warm, timed = batches[0], batches[1:]
-  # The compiled program itself is timed and traced, so that the kernels in the trace are those
-  # of the HLO read here: a second compile of the same function may autotune its GEMMs otherwise
-  # and number its fusions differently (benchmarks/NOTES.md, "The backward on the device, first
-  # run").
+  # The program timed and traced is the `Compiled` whose HLO is read here, so the trace's kernel
+  # names are that HLO's fusions by construction (jit's own call would find this executable in
+  # its cache too; an autotuning of another compile names its fusions differently).
   grad_fn = jax.jit(value_and_grad).lower(params, warm).compile()
   jax.block_until_ready(grad_fn(params, warm))
   hlo = grad_fn.as_text()

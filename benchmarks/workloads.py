@@ -790,9 +790,8 @@ def _backward_on_device(grad_fn: Callable, params, batches: Sequence, variant: s
   """:func:`benchmarks.device_trace.traced_phase_times` of one call of the jitted ``grad_fn`` per
   batch: ``None`` on a CPU, and where the profiler fails (said on stderr; the timed row stays).
 
-  The program traced is the one compiled here, whose HLO names the kernels in the trace; it
-  is the timed program where the compile is a cache hit, and another autotuning of the same
-  function where it is not (benchmarks/NOTES.md, "The backward on the device, first run")."""
+  The program traced is the ``Compiled`` whose HLO names the trace's kernels: ``grad_fn``'s
+  cache hit, the timed executable itself (``jax_log_compiles`` shows no second compile)."""
   import jax
 
   try:
