@@ -10,7 +10,6 @@ program that XLA compiles and schedules on its own (benchmarks/NOTES.md, "v41").
 
 from __future__ import annotations
 
-import collections
 import gzip
 import json
 import pathlib
