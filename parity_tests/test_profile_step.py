@@ -105,9 +105,12 @@ def test_profile_of_the_tiny_bert_shows_the_sebp_kernels(tmp_path):
   assert not sebp & set(by_name["jax-bound"]["families"])
   for v in by_name.values():
     assert sum(v["families"].values()) == pytest.approx(v["busy_ms"])
-    # The GPU's kernels carry the instruction that launched them: both phases are found.
-    assert sum(v["phases"].values()) == pytest.approx(v["busy_ms"])
-    assert v["phases"]["forward"] > 0 and v["phases"]["backward"] > 0
+    # Each traced call cut into its forward and its backward: both found, together the busy
+    # time; the kernels on the side their own instruction does not name are a small part.
+    phases = v["phases"]
+    assert phases["forward"] + phases["backward"] == pytest.approx(v["busy_ms"])
+    assert phases["forward"] > 0 and phases["backward"] > 0
+    assert 0 <= phases["misplaced"] < 0.25 * v["busy_ms"]
     assert 0 < v["busy_ms"] and 0 < v["wall_ms"] and v["launches"] >= 1
   assert "| **GPU busy** |" in (tmp_path / "profile_bert_tiny_b4_trec.md").read_text()
 
