@@ -17,8 +17,8 @@ import re
 import tempfile
 from typing import Any, Callable, Iterable
 
-__all__ = ["PHASES", "gpu_kernel_events", "instruction_phases", "is_backward", "phase_times",
-           "traced_events", "traced_phase_times"]
+__all__ = ["PHASES", "gpu_kernel_events", "instruction_phases", "is_backward", "kernel_sides",
+           "phase_times", "traced_events", "traced_phase_times"]
 
 
 # `%name = ... op_name="..."`: any instruction of an optimized HLO module (a fusion, a cuBLAS or
@@ -60,18 +60,26 @@ def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> d
   ``misplaced`` is that time. ``events``: kernel events (:func:`gpu_kernel_events`) of ``calls``
   calls of one program.
   """
+  totals = dict.fromkeys(PHASES, 0.0)
+  for event, side, misplaced in kernel_sides(events, phases, calls):
+    ms = event.get("dur", 0.0) / 1e3 / calls
+    totals[side] += ms
+    if misplaced:
+      totals["misplaced"] += ms
+  return totals
+
+
+def kernel_sides(events: Iterable[dict], phases: dict[str, str], calls: int,
+                 ) -> list[tuple[dict, str, bool]]:
+  """``(event, side, misplaced)`` of each kernel event in the order they ran: the side of
+  :func:`phase_times`' cut it ran on, ``"forward"`` or ``"backward"``, and whether its own
+  instruction names the other side."""
   by_kernel_name = {name.replace(".", "_"): phase for name, phase in phases.items()}
   kernels = sorted(events, key=lambda e: e.get("ts", 0.0))
   own = [_own_phase(e, phases, by_kernel_name) for e in kernels]
-  durations = [e.get("dur", 0.0) / 1e3 / calls for e in kernels]
-  stretches = _cut(own, durations, calls)
-  totals = dict.fromkeys(PHASES, 0.0)
-  for stretch, phase, ms in zip(stretches, own, durations):
-    side = "backward" if stretch % 2 else "forward"
-    totals[side] += ms
-    if phase not in (None, side):
-      totals["misplaced"] += ms
-  return totals
+  stretches = _cut(own, [e.get("dur", 0.0) for e in kernels], calls)
+  sides = ["backward" if stretch % 2 else "forward" for stretch in stretches]
+  return [(e, side, phase not in (None, side)) for e, side, phase in zip(kernels, sides, own)]
 
 
 def _own_phase(event: dict, phases: dict[str, str], by_kernel_name: dict[str, str]) -> str | None:

@@ -41,7 +41,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from benchmarks.collective_overlap import COLLECTIVE_NEEDLES
 from benchmarks.device_trace import (
-  PHASES, gpu_kernel_events, instruction_phases, is_backward, phase_times, traced_events,
+  PHASES, gpu_kernel_events, instruction_phases, is_backward, kernel_sides, phase_times,
+  traced_events,
 )
 from benchmarks.workloads import (
   VARIANTS, ModelSpec, Settings, Variant, jax_loss_and_grad, prepared_workload,
@@ -200,18 +201,23 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   if not events:
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
+  phases = instruction_phases(hlo)
+  backward = [e for e, side, _ in kernel_sides(events, phases, len(timed)) if side == "backward"]
   return variant_entry(variant.name, walls, per_kernel_times(events, len(timed)),
                        memset_neighbours(events, len(timed)), fusion_sources(hlo),
-                       phase_times(events, instruction_phases(hlo), len(timed)))
+                       phase_times(events, phases, len(timed)),
+                       per_kernel_times(backward, len(timed)))
 
 
 def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[float, float]],
                   memsets: list[list] | None = None, sources: dict[str, str] | None = None,
-                  phases: dict[str, float] | None = None) -> dict:
+                  phases: dict[str, float] | None = None,
+                  backward_kernels: dict[str, tuple[float, float]] | None = None) -> dict:
   """One variant of :func:`markdown_report`'s result: the median of ``walls`` (ms per call),
   ``kernels`` (name -> (ms, launches) per call) summed per family, the top kernels (each with
   its model op from ``sources``, :func:`fusion_sources`, or ``""``), and ``memsets``
-  (:func:`memset_neighbours`) and ``phases`` (:func:`phase_times`) where given."""
+  (:func:`memset_neighbours`), ``phases`` (:func:`phase_times`) and the backward's kernels
+  (``backward_kernels``, as ``kernels``; :func:`kernel_sides`) summed per family where given."""
   sources = sources or {}
   ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
   return {
@@ -224,6 +230,8 @@ def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[fl
                 for kernel, (ms, n) in ranked[:_TOP]],
     **({} if memsets is None else {"memsets": memsets}),
     **({} if phases is None else {"phases": phases}),
+    **({} if backward_kernels is None
+       else {"backward_families": family_times(backward_kernels)}),
   }
 
 
@@ -259,6 +267,17 @@ def markdown_report(result: dict) -> str:
       lines.append("| GPU busy, backward: jax-dense's ÷ the variant's | " + " | ".join(
         f"{dense['phases']['backward'] / v['phases']['backward']:.2f}×"
         if v.get("phases", {}).get("backward") else "–" for v in variants) + " |")
+  if any("backward_families" in v for v in variants):
+    # The backward's share of each family: what separates a variant from the bound there.
+    backward = list(dict.fromkeys(f for v in variants for f in v.get("backward_families", {})))
+    lines += ["", "The backward's GPU time per family (ms per call; the kernels on the backward's "
+              "side of each call's cut):", "",
+              "| backward | " + " | ".join(v["variant"] for v in variants) + " |",
+              "|---|" + "---|" * len(variants)]
+    for family in backward:
+      lines.append(f"| {family} | " + " | ".join(
+        f"{v['backward_families'].get(family, 0.0):.2f}" if "backward_families" in v else "–"
+        for v in variants) + " |")
   for v in variants:
     # Five fields per kernel, the model op last ("" where none: cuBLAS, Pallas, torch's
     # kernels); results written before that field have four. No op at all: no column.

@@ -73,6 +73,11 @@ def test_phase_times_of_kernels_replayed_from_a_cuda_graph():
             for c in range(2) for i, (name, dur) in enumerate(call)]
   assert device_trace.phase_times(events, phases, calls=2) == pytest.approx(
     {"forward": 0.305, "backward": 0.51, "misplaced": 0.025})
+  sides = device_trace.kernel_sides(events, phases, calls=2)
+  assert [e["name"] for e, *_ in sides] == [name for _ in range(2) for name, _ in call]
+  assert [(side, misplaced) for _, side, misplaced in sides[:7]] == [
+    ("forward", False), ("forward", True), ("forward", False), ("forward", False),
+    ("backward", False), ("backward", False), ("backward", True)]
   # Traced alone, a forward with no backward after it is all forward.
   assert device_trace.phase_times(events[:4], phases, calls=1) == pytest.approx(
     {"forward": 0.305, "backward": 0.0, "misplaced": 0.005})

@@ -111,6 +111,7 @@ def test_profile_of_the_tiny_bert_shows_the_sebp_kernels(tmp_path):
     assert phases["forward"] + phases["backward"] == pytest.approx(v["busy_ms"])
     assert phases["forward"] > 0 and phases["backward"] > 0
     assert 0 <= phases["misplaced"] < 0.25 * v["busy_ms"]
+    assert sum(v["backward_families"].values()) == pytest.approx(phases["backward"])
     assert 0 < v["busy_ms"] and 0 < v["wall_ms"] and v["launches"] >= 1
   assert "| **GPU busy** |" in (tmp_path / "profile_bert_tiny_b4_trec.md").read_text()
 
@@ -173,12 +174,20 @@ def test_the_report_gives_each_variants_backward_kernels_and_dense_over_them():
   phases = {"jax-dense": {"forward": 1.0, "backward": 3.0, "misplaced": 0.1},
             "jax-sebp-pallas": {"forward": 1.0, "backward": 0.22, "misplaced": 0.1},
             "jax-bound": None}  # e.g. a result written before the phases
-  entries = [profile_step.variant_entry(name, [2.0], {"k": (1.0, 1.0)}, phases=phase)
+  backward = {"jax-dense": {"nvjet_tst": (2.5, 3.0), "loop_add_fusion": (0.5, 1.0)},
+              "jax-sebp-pallas": {"sebp_dx_1": (0.12, 1.0), "sebp_dw_1": (0.1, 1.0)},
+              "jax-bound": None}
+  entries = [profile_step.variant_entry(name, [2.0], {"k": (1.0, 1.0)}, phases=phase,
+                                        backward_kernels=backward[name])
              for name, phase in phases.items()]
-  assert "phases" not in entries[2]
+  assert "phases" not in entries[2] and "backward_families" not in entries[2]
+  assert entries[1]["backward_families"] == {"SEBP dX": 0.12, "SEBP dW": 0.1}
   report = profile_step.markdown_report({
     "benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "batch": 1, "seq_len": 8,
     "workload": "piqa", "active_fraction": 0.02, "traced_calls": 2, "versions": {"jax": "0"},
     "variants": entries})
   assert "| GPU busy, backward | 3.00 | 0.22 | – |" in report
   assert "| GPU busy, backward: jax-dense's ÷ the variant's | 1.00× | 13.64× | – |" in report
+  # The backward's families side by side, a variant without them marked.
+  assert "| GEMM (cuBLAS) | 2.50 | 0.00 | – |" in report
+  assert "| SEBP dX | 0.00 | 0.12 | – |" in report
