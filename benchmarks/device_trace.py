@@ -42,26 +42,17 @@ def instruction_phases(hlo: str) -> dict[str, str]:
           for name, op_name in _INSTRUCTION.findall(hlo)}
 
 
-def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> dict[str, float]:
-  """GPU ms per call of a loss-and-gradients program's forward and backward, by :data:`PHASES`.
+def phase_times(sides: Iterable[tuple[dict, str, bool]], calls: int) -> dict[str, float]:
+  """GPU ms per call of a loss-and-gradients program's forward and backward, by :data:`PHASES`:
+  the kernels of each side of :func:`kernel_sides`' cut (``sides``, ``calls`` program calls),
+  and ``misplaced``, those among them whose own instruction names the other side.
 
   The backward timed on the device, inside the program that runs it, not as that program less a
   forward program timed alone (which XLA compiles and schedules as another program:
-  benchmarks/NOTES.md, "v41"). Each call runs its forward, then its backward: the kernels, in
-  the order they ran, are cut into ``calls`` forward and backward stretches where the least
-  GPU time lands on the side its own instruction does not say. A kernel's own phase is its
-  instruction's (``phases``, :func:`instruction_phases`), found by the event's ``hlo_op`` or by
-  the kernel's name, which is its fusion's (kernels replayed from a CUDA graph name the command
-  buffer as their ``hlo_op``); cuBLAS's, a Pallas call's and XLA's copies name none and go with
-  the stretch they ran in. Why a cut and not each kernel's own phase (NOTES, "The backward on
-  the device, first run"): XLA launches one kernel for identical fusions and names it after the
-  first, so a forward fusion that the backward recomputes runs under a forward name, and it
-  schedules work that depends on no activation (the loss mask's gradient) inside the forward.
-  ``misplaced`` is that time. ``events``: kernel events (:func:`gpu_kernel_events`) of ``calls``
-  calls of one program.
+  benchmarks/NOTES.md, "v41").
   """
   totals = dict.fromkeys(PHASES, 0.0)
-  for event, side, misplaced in kernel_sides(events, phases, calls):
+  for event, side, misplaced in sides:
     ms = event.get("dur", 0.0) / 1e3 / calls
     totals[side] += ms
     if misplaced:
@@ -71,9 +62,22 @@ def phase_times(events: Iterable[dict], phases: dict[str, str], calls: int) -> d
 
 def kernel_sides(events: Iterable[dict], phases: dict[str, str], calls: int,
                  ) -> list[tuple[dict, str, bool]]:
-  """``(event, side, misplaced)`` of each kernel event in the order they ran: the side of
-  :func:`phase_times`' cut it ran on, ``"forward"`` or ``"backward"``, and whether its own
-  instruction names the other side."""
+  """``(event, side, misplaced)`` of each kernel event in the order they ran: the side of the
+  cut it ran on, ``"forward"`` or ``"backward"``, and whether its own instruction names the
+  other side.
+
+  Each call runs its forward, then its backward: the kernels, in the order they ran, are cut
+  into ``calls`` forward and backward stretches where the least GPU time lands on the side its
+  own instruction does not say. A kernel's own phase is its instruction's (``phases``,
+  :func:`instruction_phases`), found by the event's ``hlo_op`` or by the kernel's name, which is
+  its fusion's (kernels replayed from a CUDA graph name the command buffer as their
+  ``hlo_op``); cuBLAS's, a Pallas call's and XLA's copies name none and go with the stretch
+  they ran in. Why a cut and not each kernel's own phase (NOTES, "The backward on the device,
+  first run"): XLA launches one kernel for identical fusions and names it after the first, so a
+  forward fusion that the backward recomputes runs under a forward name, and it schedules work
+  that depends on no activation (the loss mask's gradient) inside the forward. ``events``:
+  kernel events (:func:`gpu_kernel_events`) of ``calls`` calls of one program.
+  """
   by_kernel_name = {name.replace(".", "_"): phase for name, phase in phases.items()}
   kernels = sorted(events, key=lambda e: e.get("ts", 0.0))
   own = [_own_phase(e, phases, by_kernel_name) for e in kernels]
@@ -156,4 +160,6 @@ def traced_phase_times(run: Callable[[], Any], hlo: str, calls: int) -> dict[str
   program whose optimized HLO is ``hlo``; ``run`` must block until its results are ready), or
   ``None`` where the trace holds no GPU kernel (a CPU)."""
   events = gpu_kernel_events(traced_events(run))
-  return phase_times(events, instruction_phases(hlo), calls) if events else None
+  if not events:
+    return None
+  return phase_times(kernel_sides(events, instruction_phases(hlo), calls), calls)

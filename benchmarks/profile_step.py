@@ -201,12 +201,11 @@ def profile_variant(spec: ModelSpec, variant: Variant, params: Any, module: Any,
   if not events:
     raise RuntimeError(f"{variant.name}: the trace has no GPU kernel events; profile on a GPU "
                        f"(devices here: {jax.devices()})")
-  phases = instruction_phases(hlo)
-  backward = [e for e, side, _ in kernel_sides(events, phases, len(timed)) if side == "backward"]
+  sides = kernel_sides(events, instruction_phases(hlo), len(timed))
+  backward = [e for e, side, _ in sides if side == "backward"]
   return variant_entry(variant.name, walls, per_kernel_times(events, len(timed)),
                        memset_neighbours(events, len(timed)), fusion_sources(hlo),
-                       phase_times(events, phases, len(timed)),
-                       per_kernel_times(backward, len(timed)))
+                       phase_times(sides, len(timed)), per_kernel_times(backward, len(timed)))
 
 
 def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[float, float]],

@@ -51,7 +51,8 @@ def test_phase_times_cut_each_call_where_its_backward_starts():
             _kernel("loop_pad_fusion", 300, 40.0, "while.2::loop_pad_fusion"),
             _kernel("nvjet_bwd", 350, 300.0, "custom-call.4"),
             _kernel("sebp_dw", 660, 100.0, "pallas_call.7"), _kernel("Memset 0", 770, 10.0)]
-  assert device_trace.phase_times(events, phases, calls=1) == pytest.approx(
+  assert device_trace.phase_times(
+    device_trace.kernel_sides(events, phases, calls=1), calls=1) == pytest.approx(
     {"forward": 0.27, "backward": 0.45, "misplaced": 0.0})
 
 
@@ -71,7 +72,8 @@ def test_phase_times_of_kernels_replayed_from_a_cuda_graph():
           ("sebp_dw", 100.0), ("Memset 0", 10.0), ("loop_pad_fusion", 40.0)]
   events = [replayed(name, 1000 * c + 10 * i, dur)
             for c in range(2) for i, (name, dur) in enumerate(call)]
-  assert device_trace.phase_times(events, phases, calls=2) == pytest.approx(
+  assert device_trace.phase_times(
+    device_trace.kernel_sides(events, phases, calls=2), calls=2) == pytest.approx(
     {"forward": 0.305, "backward": 0.51, "misplaced": 0.025})
   sides = device_trace.kernel_sides(events, phases, calls=2)
   assert [e["name"] for e, *_ in sides] == [name for _ in range(2) for name, _ in call]
@@ -79,7 +81,8 @@ def test_phase_times_of_kernels_replayed_from_a_cuda_graph():
     ("forward", False), ("forward", True), ("forward", False), ("forward", False),
     ("backward", False), ("backward", False), ("backward", True)]
   # Traced alone, a forward with no backward after it is all forward.
-  assert device_trace.phase_times(events[:4], phases, calls=1) == pytest.approx(
+  assert device_trace.phase_times(
+    device_trace.kernel_sides(events[:4], phases, calls=1), calls=1) == pytest.approx(
     {"forward": 0.305, "backward": 0.0, "misplaced": 0.005})
 
 
@@ -117,7 +120,8 @@ def test_phase_times_of_a_real_trace_find_both_phases():
   phases = device_trace.instruction_phases(grad.lower(*args).compile().as_text())
   events = [e for e in device_trace.traced_events(lambda: jax.block_until_ready(grad(*args)))
             if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
-  times = device_trace.phase_times(events, phases, calls=1)
+  times = device_trace.phase_times(
+    device_trace.kernel_sides(events, phases, calls=1), calls=1)
   assert times["forward"] > 0 and times["backward"] > 0
   assert {phases[e["args"]["hlo_op"]] for e in events if e["args"]["hlo_op"] in phases} == {
     "forward", "backward"}
