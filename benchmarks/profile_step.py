@@ -234,10 +234,19 @@ def variant_entry(name: str, walls: Sequence[float], kernels: dict[str, tuple[fl
   }
 
 
+def _family_rows(variants: Sequence[dict], key: str) -> list[str]:
+  """One table row per kernel family found in any variant's ``key`` (``"families"`` or
+  ``"backward_families"``), ms per variant: ``0.00`` where a variant lacks that family, ``–``
+  where it lacks ``key`` (a result written before it)."""
+  families = dict.fromkeys(f for v in variants for f in v.get(key, {}))
+  return [f"| {family} | " + " | ".join(
+            f"{v[key].get(family, 0.0):.2f}" if key in v else "–" for v in variants) + " |"
+          for family in families]
+
+
 def markdown_report(result: dict) -> str:
   """The families of every profiled variant side by side, then each variant's top kernels."""
   variants = result["variants"]
-  families = list(dict.fromkeys(f for v in variants for f in v["families"]))
   lines = [
     f"# Profile of {result['benchmark']}'s loss-and-gradients program: {result['gpu']}, "
     f"{result['dtype']}, batch {result['batch']} × {result['seq_len']}, {result['workload']} "
@@ -250,9 +259,7 @@ def markdown_report(result: dict) -> str:
     "| | " + " | ".join(v["variant"] for v in variants) + " |",
     "|---|" + "---|" * len(variants),
   ]
-  for family in families:
-    lines.append(f"| {family} | " + " | ".join(
-      f"{v['families'].get(family, 0.0):.2f}" for v in variants) + " |")
+  lines += _family_rows(variants, "families")
   for key, label, spec in (("busy_ms", "**GPU busy**", ".2f"), ("wall_ms", "**wall**", ".2f"),
                            ("launches", "kernel launches", ".0f")):
     lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
@@ -268,15 +275,10 @@ def markdown_report(result: dict) -> str:
         if v.get("phases", {}).get("backward") else "–" for v in variants) + " |")
   if any("backward_families" in v for v in variants):
     # The backward's share of each family: what separates a variant from the bound there.
-    backward = list(dict.fromkeys(f for v in variants for f in v.get("backward_families", {})))
     lines += ["", "The backward's GPU time per family (ms per call; the kernels on the backward's "
               "side of each call's cut):", "",
               "| backward | " + " | ".join(v["variant"] for v in variants) + " |",
-              "|---|" + "---|" * len(variants)]
-    for family in backward:
-      lines.append(f"| {family} | " + " | ".join(
-        f"{v['backward_families'].get(family, 0.0):.2f}" if "backward_families" in v else "–"
-        for v in variants) + " |")
+              "|---|" + "---|" * len(variants), *_family_rows(variants, "backward_families")]
   for v in variants:
     # Five fields per kernel, the model op last ("" where none: cuBLAS, Pallas, torch's
     # kernels); results written before that field have four. No op at all: no column.
