@@ -263,11 +263,14 @@ def markdown_report(result: dict) -> str:
   for key, label, spec in (("busy_ms", "**GPU busy**", ".2f"), ("wall_ms", "**wall**", ".2f"),
                            ("launches", "kernel launches", ".0f")):
     lines.append(f"| {label} | " + " | ".join(format(v[key], spec) for v in variants) + " |")
-  if any("phases" in v for v in variants):  # results written before phase_times have none
+  # Results written before phase_times have no phases; those of its first GPU run (2026-12-02,
+  # results/v42_h200/call1, call5) have "unattributed" where the cut's have "misplaced".
+  if any("phases" in v for v in variants):
     for phase, label in zip(PHASES, ("GPU busy, forward", "GPU busy, backward",
                                      "of which on the other side's instruction (misplaced)")):
       lines.append(f"| {label} | " + " | ".join(
-        f"{v['phases'][phase]:.2f}" if "phases" in v else "–" for v in variants) + " |")
+        f"{v['phases'][phase]:.2f}" if phase in v.get("phases", {}) else "–"
+        for v in variants) + " |")
     dense = next((v for v in variants if v["variant"] == "jax-dense" and "phases" in v), None)
     if dense is not None:
       lines.append("| GPU busy, backward: jax-dense's ÷ the variant's | " + " | ".join(

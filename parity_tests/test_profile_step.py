@@ -191,3 +191,15 @@ def test_the_report_gives_each_variants_backward_kernels_and_dense_over_them():
   # The backward's families side by side, a variant without them marked.
   assert "| GEMM (cuBLAS) | 2.50 | 0.00 | – |" in report
   assert "| SEBP dX | 0.00 | 0.12 | – |" in report
+
+
+def test_the_report_reads_the_phases_of_the_first_gpu_run():
+  # results/v42_h200/call1 and call5: "unattributed" where the cut's results have "misplaced".
+  entry = profile_step.variant_entry("jax-dense", [2.0], {"k": (1.0, 1.0)}, phases={
+    "forward": 0.4, "backward": 0.5, "unattributed": 0.1})
+  report = profile_step.markdown_report({
+    "benchmark": "llama", "gpu": "H200", "dtype": "bfloat16", "batch": 1, "seq_len": 8,
+    "workload": "piqa", "active_fraction": 0.02, "traced_calls": 2, "versions": {"jax": "0"},
+    "variants": [entry]})
+  assert "| GPU busy, backward | 0.50 |" in report
+  assert "| of which on the other side's instruction (misplaced) | – |" in report
