@@ -76,7 +76,7 @@ def _delay(stages: int) -> int:
   # WGMMA reads its shared-memory operands after it is issued: a slot is handed back to the
   # next TMA load one step late, once the WGMMA that read it has completed. Without this the
   # load overwrites operands still being read (2026-12-02, H200: errors of 5-11 % of the
-  # largest output in half the configurations; benchmarks/NOTES.md, "Mosaic GPU probe").
+  # largest output in half the configurations; benchmarks/NOTES.md, "Mosaic GPU probe measured").
   return 1 if stages > 1 else 0
 
 
