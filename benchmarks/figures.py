@@ -1,7 +1,7 @@
 """Figures of a model benchmark's result file (:mod:`benchmarks.workloads`): PNGs beside the JSON.
 
-* ``<stem>_speedup.png``: backward and train-step speedup of every variant over ``jax-dense``,
-  per workload and batch size.
+* ``<stem>_speedup.png``: backward (and, where the run traced it, the backward's GPU time) and
+  train-step speedup of every variant over ``jax-dense``, per workload and batch size.
 * ``<stem>_breakdown.png``: forward, backward and optimizer time of every variant, stacked, one
   panel per workload and batch size.
 * ``<stem>_memory.png``: peak device memory of every variant per workload and batch size.
@@ -83,23 +83,33 @@ def _grouped_bars(ax, cases, variants, value, several_batches: bool) -> None:
   ax.set_xticks(x, [_label(c, several_batches) for c in cases], rotation=45, ha="right")
 
 
+def _speedup_panels(rows: Sequence[dict]) -> list[tuple[str, str]]:
+  """``(row key, title)`` of the speedup figure's panels: the backward, its GPU time where the run
+  traced it (:mod:`benchmarks.device_trace`, JAX on a GPU), the train step."""
+  traced = any(r.get("gpu_bwd_ms") for r in rows)
+  return [("bwd_ms", "backward"), *([("gpu_bwd_ms", "backward, GPU time")] if traced else []),
+          ("step_ms", "train step")]
+
+
 def _speedup_figure(result: dict, path: pathlib.Path) -> None:
   table = _Table.of(result)
   cases, several = table.cases, table.several_batches
   variants = [v for v in table.variants if v not in (BASELINE, EINSUM_BASELINE)]
-  ratios = speedups(result["rows"])
-  fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cases) + 3), 8), sharex=True)
-  for ax, index, title in ((axes[0], 0, "backward"), (axes[1], 1, "train step")):
+  panels = _speedup_panels(result["rows"])
+  ratios = speedups(result["rows"], [key for key, _ in panels])
+  fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.9 * len(cases) + 3), 4 * len(panels)),
+                           sharex=True, squeeze=False)
+  for index, (ax, (_, title)) in enumerate(zip(axes[:, 0], panels)):
     _grouped_bars(ax, cases, variants,
-                  lambda case, v: ratios.get((*case, v), (None, None))[index], several)
+                  lambda case, v: ratios.get((*case, v), (None,) * len(panels))[index], several)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel(f"{title} speedup over {BASELINE}"
                   + (f" ({EINSUM_BASELINE} for -einsum)" if EINSUM_BASELINE in table.variants
                      else ""))
-  if variants:
-    axes[0].legend(ncol=3, fontsize=8)
-  axes[0].set_title(f"{result['benchmark']}: {result['gpu']}, {result['dtype']}, "
-                    f"context {result['seq_len']}")
+  if variants:  # above the bars, not over them
+    axes[0, 0].legend(ncol=3, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.08))
+  axes[0, 0].set_title(f"{result['benchmark']}: {result['gpu']}, {result['dtype']}, "
+                       f"context {result['seq_len']}")
   _save(fig, path)
 
 
