@@ -313,7 +313,7 @@ def test_jax_launch_options_choose_the_tiles_a_variant_traces_with(monkeypatch):
   from sebp_jax.backends import pallas
 
   monkeypatch.setattr(pallas, "_gpu_generation", lambda: "hopper")
-  (ab,) = [v for v in VARIANTS if v.framework == "jax" and v.launch]
+  ab = {v.name: v for v in VARIANTS}["jax-sebp-pallas-plan-nocond-no-small"]
   assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 64
   with kernel_options.launch_options(ab.launch, framework="jax"):
     assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 128

@@ -732,14 +732,20 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
   assert "stablehlo.gather" not in text
 
 
+@pytest.mark.parametrize("one_dw", [False, True], ids=["dw_each", "dw_one_launch"])
 @pytest.mark.parametrize("column_sums", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])
-def test_sibling_groups_lower_to_triton_ir(planned, column_sums):
+def test_sibling_groups_lower_to_triton_ir(monkeypatch, planned, column_sums, one_dw):
   # q, k and v of LLaMA-3B-like widths: one gather of x and the three dy (four sources of
   # different widths; with biases, it sums the dys' rows too), then dX (the later two
-  # accumulating) and dW per sibling; scored (exact policy, default crossover), one partition of
-  # the union of their rows before it.
+  # accumulating) and dW per sibling, or the three dW in one launch (`dw_siblings_pallas`, each
+  # splitting its few tiles over rows as on a 132-SM GPU); scored (exact policy, default
+  # crossover), one partition of the union of their rows before it.
   from jax import export
+
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", one_dw)
+  if one_dw:
+    monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
 
   mask = jax.ShapeDtypeStruct((512,), jnp.bool_)
   shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -754,4 +760,5 @@ def test_sibling_groups_lower_to_triton_ir(planned, column_sums):
     jax.jit(backward), platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
                                                                                        *shapes)
-  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == (not planned) + 1 + 3 + 3
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == (not planned) + 1 + 3 + (
+    1 if one_dw else 3)

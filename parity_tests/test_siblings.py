@@ -4,6 +4,7 @@ autodiff of the same products (each sibling's ``dx`` summed into the first one's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,91 @@ def test_siblings_share_one_partition_and_gather_where_exact(rows, policy, share
   assert launches.count("sebp_gather") == groups
   assert launches.count("sebp_partition") == (0 if plan is not None else groups)
   assert launches.count("sebp_dx") == launches.count("sebp_dw") == len(FEATURES)
+
+
+# Row blocks of 4 (the case keeps 9 of 18 rows: three live blocks), so that dW's row split runs
+# at three parts; one sibling (5 outputs) on tiles of its own with one part.
+_SPLIT_TILES = dataclasses.replace(TILES, dx_m=4, dw_m=4, dw_split=3, dw_min_part=1)
+_OWN_TILES = dataclasses.replace(TILES, dw_warps=8, dw_stages=3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+@pytest.mark.parametrize("tiles", ["same", "split tails", "mixed"])
+def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
+  # `dw_siblings_pallas`: every sibling's dW programs in one launch, each on its own tiles
+  # (arrival counters and partial tiles where it splits a tail), against dense autodiff and the
+  # launch per sibling.
+  configs = {"same": lambda n: TILES, "split tails": lambda n: _SPLIT_TILES,
+             "mixed": lambda n: _OWN_TILES if n == 5 else _SPLIT_TILES}[tiles]
+  monkeypatch.setattr(pallas_backend, "block_config", lambda rows, k, n, dtype: configs(n))
+  mask, x, kernels, dys = _case(dtype, seed=4)
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", rows=plan)  # noqa: E731
+  per_sibling = _grads(fn, x, kernels, dys)
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
+  launches = _kernel_launches(fn, x, kernels, dys)
+  assert launches.count("sebp_dw_siblings") == 1 and "sebp_dw" not in launches, launches
+  assert launches.count("sebp_dx") == len(FEATURES)
+  dx, dws = _grads(fn, x, kernels, dys)
+  # dX's launches are the same as before (test_matches_dense_autodiff checks them).
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(per_sibling[0]))
+  want_dws = _grads(_dense, x, kernels, dys)[1]
+  for index, (dw, want, before) in enumerate(zip(dws, want_dws, per_sibling[1])):
+    assert dw.shape == want.shape and dw.dtype == want.dtype
+    assert_close(dw, want, dtype, what=f"dw[{index}]")
+    # The same programs as the launch per sibling: the same sums, in the same order.
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(before))
+
+
+def test_the_one_dw_launch_keeps_a_nan_row(monkeypatch):
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
+  mask, x, kernels, dys = _case("float32", seed=5)
+  dys = dys[:2] + (dys[2].at[0, 1, 3].set(jnp.inf),)
+  _, dws = _grads(lambda x, ks: sebp_matmuls(x, ks, impl="interpret"), x, kernels, dys)
+  # Row (0, 1) of x times the Inf in column 3: column 3 of the last dW is non-finite, the rest
+  # of every dW finite.
+  assert not np.isfinite(np.asarray(dws[2])[:, 3]).any()
+  assert np.isfinite(np.delete(np.asarray(dws[2]), 3, axis=1)).all()
+  assert all(np.isfinite(np.asarray(dw)).all() for dw in dws[:2])
+
+
+@pytest.mark.gpu
+def test_the_groups_dw_in_one_launch_on_the_gpu(monkeypatch):
+  # LLaMA-3B-like q, k and v at 4096 rows, half of them kept, on the table's tiles sized for this
+  # GPU: each sibling splits its last wave's tiles over rows (two parts of 16 row blocks), so the
+  # one launch runs three fix-ups at once. Bitwise the launch per sibling (the same programs, the
+  # same order of sums), and dense float32 within bfloat16's tolerance.
+  monkeypatch.undo()  # the table's tiles, not the small ones
+  rng = np.random.default_rng(12)
+  lengths = rng.integers(1024, 3072, size=2)
+  mask = np.arange(2048)[None, :] < lengths[:, None]
+  x = jnp.asarray(rng.standard_normal((2, 2048, 3072)), jnp.bfloat16)
+  kernels = tuple(jnp.asarray(rng.standard_normal((3072, n)) / 50, jnp.bfloat16)
+                  for n in (3072, 1024, 1024))
+  dys = tuple(jnp.asarray(np.where(mask[..., None], rng.standard_normal((2, 2048, n)), 0),
+                          jnp.bfloat16) for n in (3072, 1024, 1024))
+  plan = row_plan(jnp.asarray(mask))
+  fn = jax.jit(lambda x, ks, dys: _grads(
+    lambda x, ks: sebp_matmuls(x, ks, impl="pallas", rows=plan), x, ks, dys))
+  per_sibling = fn(x, kernels, dys)
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
+  fn = jax.jit(lambda x, ks, dys: _grads(
+    lambda x, ks: sebp_matmuls(x, ks, impl="pallas", rows=plan), x, ks, dys))
+  dws = fn(x, kernels, dys)[1]
+  want = _grads(_dense, x.astype(jnp.float32), tuple(k.astype(jnp.float32) for k in kernels),
+                tuple(dy.astype(jnp.float32) for dy in dys))[1]
+  for index, (dw, before, dense) in enumerate(zip(dws, per_sibling[1], want)):
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(before))
+    assert_close(dw, dense, "bfloat16", what=f"dw[{index}]")
+
+
+def test_one_dw_launch_names_mismatched_arguments():
+  x, dyc = jnp.ones((16, 16)), jnp.ones((16, 32))
+  perm, count = jnp.arange(16, dtype=jnp.int32), jnp.array([16], jnp.int32)
+  with pytest.raises(ValueError, match="2 `dycs`, 1 `configs`"):
+    pallas_backend.dw_siblings_pallas(x, [dyc, dyc], perm, count, configs=[TILES],
+                                      interpret=True)
 
 
 @pytest.mark.parametrize("policy", [sebp_jax.RowPolicy(threshold=0.5),

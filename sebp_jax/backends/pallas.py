@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -59,7 +60,7 @@ from sebp_jax.policy import RowPolicy, keep_mask
 
 __all__ = ["BlockConfig", "block_config", "sized_for_gpu", "with_dw_split", "with_dx_programs",
            "backward", "siblings_backward", "sparse_backward", "partition_pallas", "gather_pallas",
-           "dx_pallas", "dw_pallas", "grads_pallas"]
+           "dx_pallas", "dw_pallas", "dw_siblings_pallas", "grads_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,10 @@ _MIN_BLOCK = 16
 # fix-up in the kernel reads only the tail's tiles, and only where `count` gives each part
 # `dw_min_part` row blocks: BERT-base's FFN (144 tiles on 132 SMs) splits its 12 tail tiles 8 ways.
 _MAX_DW_SPLIT = 8
+# Sibling products' dW in one launch (dw_siblings_pallas) instead of one launch each. Off until
+# measured on a GPU (benchmarks/NOTES.md, "v37 candidate"); the model benchmarks' variant
+# `jax-sebp-pallas-plan-nocond-siblings-dw` turns it on for an A/B in one process.
+_SIBLINGS_DW_ONE_LAUNCH = False
 # Shared memory one Hopper SM gives its programs (227 KB of its 228).
 _SHARED_MEMORY = 227 * 1024
 
@@ -1038,6 +1043,73 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   return outputs[0], outputs[1]
 
 
+def _dw_siblings_kernel(count_ref, perm_ref, xc_ref, *refs, bodies: tuple, programs: tuple[int, ...],
+                        tails: tuple[bool, ...]):
+  """Sibling products' dW GEMMs in one launch: sibling ``i``'s programs (``programs[i]``, its
+  :func:`_dw_plan`'s) follow the ones before it and run its ``bodies[i]`` (a :func:`_dw_kernel`)
+  on ``xc`` and its own ``dyc``. ``refs``: the siblings' ``dyc``, their arrival counters (one
+  input for each sibling that splits a tail: ``tails``), then each sibling's outputs in turn
+  (``dw``; with a tail also its counters and partial tiles)."""
+  dycs, refs = refs[:len(bodies)], refs[len(bodies):]
+  arrivals, outputs = iter(refs[:sum(tails)]), iter(refs[sum(tails):])
+  program = pl.program_id(0)
+  first = 0
+  for dyc, body, own, tail in zip(dycs, bodies, programs, tails):
+    own_refs = ((next(arrivals),) if tail else ()) + tuple(next(outputs) for _ in range(1 + 2 * tail))
+
+    @pl.when((program >= first) & (program < first + own))
+    def _(dyc=dyc, body=body, own_refs=own_refs, first=first):
+      body(count_ref, perm_ref, xc_ref, dyc, *own_refs, program=program - first)
+
+    first += own
+
+
+def dw_siblings_pallas(xc, dycs, perm, count, *, configs: Sequence[BlockConfig], precision=None,
+                       interpret: bool = False,
+                       arrivals: Sequence[jax.Array | None] | None = None) -> list[jax.Array]:
+  """``dw_i = xᵀ @ (dy_i * keep)`` of sibling products of one input in one launch
+  (``sebp_dw_siblings``): each sibling's :func:`dw_pallas` programs, one sibling's after the
+  other's, so that the GPU runs them together. BERT-base's q, k and v dW are 72 tiles each
+  (the ``small`` class), each launch alone holding 72 of 132 SMs; one launch holds 216 programs,
+  which fit two or three a SM.
+
+  Args:
+    xc: ``(M, K)``, the kept rows of ``x`` first (:func:`gather_pallas`).
+    dycs: ``(M, N_i)``, the kept rows of each ``dy`` first; each a whole number of its tiles.
+    perm, count: as in :func:`dw_pallas`.
+    configs: each sibling's tiles (its ``dw_*``); the launch runs the most warps and pipeline
+      stages of any.
+    arrivals: each sibling's :func:`dw_pallas` ``arrivals`` (``None``: zeros of XLA's).
+
+  Returns:
+    The ``(K, N_i)`` dW of each sibling, in ``xc.dtype``.
+  """
+  if arrivals is None:
+    arrivals = [None] * len(dycs)
+  if not len(dycs) == len(configs) == len(arrivals):
+    raise ValueError(f"dw_siblings_pallas: {len(dycs)} `dycs`, {len(configs)} `configs` and "
+                     f"{len(arrivals)} `arrivals`: one each per sibling.")
+  launches = [_dw_plan(xc, dyc, config, precision, interpret, counters)
+              for dyc, config, counters in zip(dycs, configs, arrivals)]
+  tails = tuple(launch.arrivals is not None for launch in launches)
+  body = functools.partial(_dw_siblings_kernel, bodies=tuple(launch.body for launch in launches),
+                           programs=tuple(launch.programs for launch in launches), tails=tails)
+  operands = (count, perm, xc, *dycs, *(a for launch in launches for a in launch.operands))
+  # Each split tail's counters (an input after the dycs) are its launch's second output.
+  aliases, output = {}, 0
+  for launch in launches:
+    if launch.arrivals is not None:
+      aliases[3 + len(dycs) + len(aliases)] = output + 1
+    output += len(launch.out_shape)
+  outputs = _launch(body, tuple(shape for launch in launches for shape in launch.out_shape),
+                    grid=(sum(launch.programs for launch in launches),),
+                    warps=max(config.dw_warps for config in configs),
+                    stages=max(config.dw_stages for config in configs), interpret=interpret,
+                    name="sebp_dw_siblings", input_output_aliases=aliases or None)(*operands)
+  firsts = itertools.accumulate((len(launch.out_shape) for launch in launches[:-1]), initial=0)
+  return [outputs[first] for first in firsts]
+
+
 def _in_features(x, kernel, kernel_nk: bool) -> int:
   return kernel.shape[1 if kernel_nk else 0] if kernel is not None else x.shape[1]
 
@@ -1074,12 +1146,14 @@ def _products_counter_slots(m_pad: int, k_pad: int, n_pad: int, *, config: Block
 
 def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
               out_features: int, config: BlockConfig, precision, interpret: bool,
-              kernel_nk: bool, dx_into, zero_rows: bool = True, counters=(None, None)):
+              kernel_nk: bool, dx_into, zero_rows: bool = True, counters=(None, None),
+              with_dw: bool = True):
   """dX and dW of one layer from its (compacted or in-place) rows: ``xc`` (or ``None``) and
   ``dyc`` padded to whole tiles, ``(m_pad, k_pad)`` and ``(m_pad, n_pad)``: one launch each, or
   one for both (``config.fused``). ``zero_rows``: as in :func:`dx_pallas`. ``counters``: the
   dX and dW launches' zeroed arrival counters (:func:`_products_counter_slots` of each, from
-  :func:`gather_pallas`), or ``None`` for zeros of XLA's."""
+  :func:`gather_pallas`), or ``None`` for zeros of XLA's. Without ``with_dw`` only dX runs
+  (``dw`` is ``None``): a caller that runs dW elsewhere (:func:`dw_siblings_pallas`)."""
   _check_fused(config)
   m_pad, n_pad = dyc.shape
   k_pad = _k_pad(in_features, config) if xc is None else xc.shape[1]
@@ -1090,6 +1164,8 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
   dw_shape = (out_features, in_features) if kernel_nk else (in_features, out_features)
   dx_arrivals, dw_arrivals = counters
   dx = dw = None
+  if not with_dw:
+    xc = None
   if config.fused and kernel is not None and xc is not None:
     dx, dw = grads_pallas(xc, dyc, padded_kernel, perm, count, config=config,
                           dw_config=dw_config, precision=precision, interpret=interpret,
@@ -1217,14 +1293,20 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       perm, count, block_m=block_m, interpret=interpret,
       summed=range(1, len(dys) + 1) if column_sums else (),
       zeroed=[n for pair in slots for n in pair])
+    one_dw = _SIBLINGS_DW_ONE_LAUNCH and not any(config.fused for config in configs)
     dx, dws = None, []
     for i, (kernel, dy, dyc, config) in enumerate(zip(kernels, dys, dycs, configs)):
       dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
                          in_features=in_features, out_features=dy.shape[1], config=config,
                          precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
                          zero_rows=plan is None,  # a plan's select, as in `backward`
-                         counters=counters[2 * i:2 * i + 2])
+                         counters=counters[2 * i:2 * i + 2], with_dw=not one_dw)
       dws.append(dw)
+    if one_dw:
+      dws = dw_siblings_pallas(xc, dycs, perm, count, configs=configs, precision=precision,
+                               interpret=interpret, arrivals=counters[1::2])
+      dws = [dw if dw.shape == (in_features, dy.shape[1]) else dw[:in_features, :dy.shape[1]]
+             for dw, dy in zip(dws, dys)]
     dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
     return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
 
