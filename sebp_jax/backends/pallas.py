@@ -1043,8 +1043,8 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   return outputs[0], outputs[1]
 
 
-def _dw_siblings_kernel(count_ref, perm_ref, xc_ref, *refs, bodies: tuple, programs: tuple[int, ...],
-                        tails: tuple[bool, ...]):
+def _dw_siblings_kernel(count_ref, perm_ref, xc_ref, *refs, bodies: tuple,
+                        programs: tuple[int, ...], tails: tuple[bool, ...]):
   """Sibling products' dW GEMMs in one launch: sibling ``i``'s programs (``programs[i]``, its
   :func:`_dw_plan`'s) follow the ones before it and run its ``bodies[i]`` (a :func:`_dw_kernel`)
   on ``xc`` and its own ``dyc``. ``refs``: the siblings' ``dyc``, their arrival counters (one
@@ -1055,7 +1055,9 @@ def _dw_siblings_kernel(count_ref, perm_ref, xc_ref, *refs, bodies: tuple, progr
   program = pl.program_id(0)
   first = 0
   for dyc, body, own, tail in zip(dycs, bodies, programs, tails):
-    own_refs = ((next(arrivals),) if tail else ()) + tuple(next(outputs) for _ in range(1 + 2 * tail))
+    # _dw_kernel's refs: its counters in, then dw (and with a tail, its counters and partials).
+    own_refs = ((next(arrivals),) if tail else ()) + tuple(
+      next(outputs) for _ in range(1 + 2 * tail))
 
     @pl.when((program >= first) & (program < first + own))
     def _(dyc=dyc, body=body, own_refs=own_refs, first=first):
