@@ -16,6 +16,10 @@
 # * mosaic-probe: the Mosaic GPU dX and dW probes' GPU test, then `benchmarks.mosaic_probe`
 #   (LLaMA-3.2-3B b1's weights at 64 and 128 kept rows, against XLA's GEMMs on the same rows).
 #
+# EXTRA_VARIANTS (optional): more variants of benchmarks.workloads.VARIANTS for the model and
+# profile suites, run after the row plan, e.g. an A/B of a launch option:
+#   EXTRA_VARIANTS=jax-sebp-pallas-plan-nocond-siblings-dw bash benchmarks/run_jax_gpu.sh bert
+#
 # Each stage writes its own files naming the card and library versions, and appends what it
 # printed to $OUT/jax/summary_jax.md, the one file that carries every number.
 set -u
@@ -28,7 +32,7 @@ framework=jax
 source "$(dirname "$0")/gpu_stages.sh"
 summary_header "sebp_jax on one GPU, suite $suite" "import jax, jaxlib, flax, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'triton', triton.__version__, jax.devices())"
 
-variants="jax-dense jax-sebp-pallas-plan-nocond jax-bound"
+variants="jax-dense jax-sebp-pallas-plan-nocond ${EXTRA_VARIANTS:-} jax-bound"
 case "$suite" in
   tests)
     stage 560 "GPU tests (every file but the torch reference's)" $py -m pytest parity_tests -m gpu \
