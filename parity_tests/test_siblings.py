@@ -140,7 +140,7 @@ def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(before))
 
 
-def test_the_one_dw_launch_keeps_a_nan_row(monkeypatch):
+def test_the_one_dw_launch_keeps_an_inf_row(monkeypatch):
   monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
   mask, x, kernels, dys = _case("float32", seed=5)
   dys = dys[:2] + (dys[2].at[0, 1, 3].set(jnp.inf),)
@@ -154,9 +154,9 @@ def test_the_one_dw_launch_keeps_a_nan_row(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_groups_dw_in_one_launch_on_the_gpu(monkeypatch):
-  # LLaMA-3B-like q, k and v at 4096 rows, half of them kept, on the table's tiles sized for this
-  # GPU: each sibling splits its last wave's tiles over rows (two parts of 16 row blocks), so the
-  # one launch runs three fix-ups at once. Bitwise the launch per sibling (the same programs, the
+  # LLaMA-3B-like q, k and v over two sequences of 2048 tokens, 1024 or more of each real (a
+  # prefix), on the table's tiles sized for this GPU: each sibling splits its last wave's tiles
+  # over rows (two parts of at least 16 row blocks), so the one launch runs three fix-ups at once. Bitwise the launch per sibling (the same programs, the
   # same order of sums), and dense float32 within bfloat16's tolerance.
   monkeypatch.undo()  # the table's tiles, not the small ones
   rng = np.random.default_rng(12)
