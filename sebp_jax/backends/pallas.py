@@ -1182,11 +1182,13 @@ def _products(xc, dyc, kernel, perm, count, *, num_rows: int, in_features: int,
       lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
       dw = dw_pallas(lhs, rhs, perm, count, config=dw_config, precision=precision,
                      interpret=interpret, arrivals=dw_arrivals)
-  if dx is not None and dx.shape != (num_rows, in_features):
-    dx = dx[:num_rows, :in_features]
-  if dw is not None and dw.shape != dw_shape:
-    dw = dw[:dw_shape[0], :dw_shape[1]]
-  return dx, dw
+  return (None if dx is None else _cropped(dx, (num_rows, in_features)),
+          None if dw is None else _cropped(dw, dw_shape))
+
+
+def _cropped(padded, shape):
+  """``padded`` (a result on operands padded to whole tiles) cut back to ``shape``."""
+  return padded if padded.shape == shape else padded[:shape[0], :shape[1]]
 
 
 def _check_fused(config: BlockConfig) -> None:
@@ -1307,8 +1309,7 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
     if one_dw:
       dws = dw_siblings_pallas(xc, dycs, perm, count, configs=configs, precision=precision,
                                interpret=interpret, arrivals=counters[1::2])
-      dws = [dw if dw.shape == (in_features, dy.shape[1]) else dw[:in_features, :dy.shape[1]]
-             for dw, dy in zip(dws, dys)]
+      dws = [_cropped(dw, (in_features, dy.shape[1])) for dw, dy in zip(dws, dys)]
     dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
     return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
 
