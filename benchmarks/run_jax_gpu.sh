@@ -18,7 +18,7 @@
 #
 # EXTRA_VARIANTS (optional): more variants of benchmarks.workloads.VARIANTS for the model and
 # profile suites, run after the row plan, e.g. an A/B of a launch option:
-#   EXTRA_VARIANTS=jax-sebp-pallas-plan-nocond-siblings-dw bash benchmarks/run_jax_gpu.sh bert
+#   EXTRA_VARIANTS=jax-sebp-pallas-plan-nocond-dw-per-sibling bash benchmarks/run_jax_gpu.sh bert
 #
 # Each stage writes its own files naming the card and library versions, and appends what it
 # printed to $OUT/jax/summary_jax.md, the one file that carries every number.

@@ -102,7 +102,10 @@ def test_siblings_share_one_partition_and_gather_where_exact(rows, policy, share
   groups = 1 if shared else len(FEATURES)
   assert launches.count("sebp_gather") == groups
   assert launches.count("sebp_partition") == (0 if plan is not None else groups)
-  assert launches.count("sebp_dx") == launches.count("sebp_dw") == len(FEATURES)
+  assert launches.count("sebp_dx") == len(FEATURES)
+  # dW: one launch for the group where it shares its rows, one per sibling where it does not.
+  assert launches.count("sebp_dw_siblings") == (1 if shared else 0)
+  assert launches.count("sebp_dw") == (0 if shared else len(FEATURES))
 
 
 # Row blocks of 4 (the case keeps 9 of 18 rows: three live blocks), so that dW's row split runs
@@ -124,6 +127,7 @@ def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
   mask, x, kernels, dys = _case(dtype, seed=4)
   plan = row_plan(jnp.asarray(mask)) if planned else None
   fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", rows=plan)  # noqa: E731
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", False)
   per_sibling = _grads(fn, x, kernels, dys)
   monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
   launches = _kernel_launches(fn, x, kernels, dys)
@@ -140,8 +144,7 @@ def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(before))
 
 
-def test_the_one_dw_launch_keeps_an_inf_row(monkeypatch):
-  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
+def test_the_one_dw_launch_keeps_an_inf_row():
   mask, x, kernels, dys = _case("float32", seed=5)
   dys = dys[:2] + (dys[2].at[0, 1, 3].set(jnp.inf),)
   _, dws = _grads(lambda x, ks: sebp_matmuls(x, ks, impl="interpret"), x, kernels, dys)
@@ -168,6 +171,7 @@ def test_the_groups_dw_in_one_launch_on_the_gpu(monkeypatch):
   dys = tuple(jnp.asarray(np.where(mask[..., None], rng.standard_normal((2, 2048, n)), 0),
                           jnp.bfloat16) for n in (3072, 1024, 1024))
   plan = row_plan(jnp.asarray(mask))
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", False)
   fn = jax.jit(lambda x, ks, dys: _grads(
     lambda x, ks: sebp_matmuls(x, ks, impl="pallas", rows=plan), x, ks, dys))
   per_sibling = fn(x, kernels, dys)

@@ -192,10 +192,11 @@ _MIN_BLOCK = 16
 # fix-up in the kernel reads only the tail's tiles, and only where `count` gives each part
 # `dw_min_part` row blocks: BERT-base's FFN (144 tiles on 132 SMs) splits its 12 tail tiles 8 ways.
 _MAX_DW_SPLIT = 8
-# Sibling products' dW in one launch (dw_siblings_pallas) instead of one launch each. Off until
-# measured on a GPU (benchmarks/NOTES.md, "v37 candidate"); the model benchmarks' variant
-# `jax-sebp-pallas-plan-nocond-siblings-dw` turns it on for an A/B in one process.
-_SIBLINGS_DW_ONE_LAUNCH = False
+# Sibling products' dW in one launch (dw_siblings_pallas) instead of one launch each: BERT's
+# q/k/v dW fill the GPU together where each alone runs on 72 of 132 SMs (-0.16 ms of a 7.2 ms
+# backward at 12.5 % real; benchmarks/NOTES.md, "v37 measured"). False gives the launch per
+# sibling, which the tests compare it with bitwise.
+_SIBLINGS_DW_ONE_LAUNCH = True
 # Shared memory one Hopper SM gives its programs (227 KB of its 228).
 _SHARED_MEMORY = 227 * 1024
 
