@@ -17,8 +17,8 @@ import re
 import tempfile
 from typing import Any, Callable, Iterable
 
-__all__ = ["PHASES", "gpu_kernel_events", "instruction_phases", "is_backward", "kernel_sides",
-           "phase_times", "traced_events", "traced_phase_times"]
+__all__ = ["PHASES", "gpu_kernel_events", "implausible_cut", "instruction_phases", "is_backward",
+           "kernel_sides", "phase_times", "traced_events", "traced_phase_times"]
 
 
 # `%name = ... op_name="..."`: any instruction of an optimized HLO module (a fusion, a cuBLAS or
@@ -58,6 +58,25 @@ def phase_times(sides: Iterable[tuple[dict, str, bool]], calls: int) -> dict[str
     if misplaced:
       totals["misplaced"] += ms
   return totals
+
+
+# How much more GPU time a cut may give the forward than its forward program takes on the host.
+# Measured: 0.78-1.00 of it (BERT-base and LLaMA-3.2-3B, results/v43_h200, v44_h200); a cut that
+# went wrong gave 1.57 (dense LLaMA b4, benchmarks/NOTES.md "v44").
+_FORWARD_SLACK = 1.15
+
+
+def implausible_cut(phases: dict[str, float], forward_ms: float) -> str | None:
+  """Why :func:`phase_times`' cut cannot be right, or ``None``: the forward's kernels inside the
+  loss-and-gradients program (``phases["forward"]``) cannot take more GPU time than the forward
+  program timed alone on the host (``forward_ms``, launches and gaps included) by more than
+  the few per cent by which XLA schedules the two differently. Past that, backward kernels
+  landed on the forward's side of the cut, and the backward's GPU time is short by as much."""
+  if phases["forward"] <= _FORWARD_SLACK * forward_ms:
+    return None
+  return (f"the cut gave the forward {phases['forward']:.2f} ms of GPU time, more than "
+          f"{_FORWARD_SLACK:g} x the forward program's {forward_ms:.2f} ms on the host: backward "
+          f"kernels on the forward's side")
 
 
 def kernel_sides(events: Iterable[dict], phases: dict[str, str], calls: int,

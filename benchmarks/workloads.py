@@ -117,7 +117,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from benchmarks.device_trace import PHASES, traced_phase_times
+from benchmarks.device_trace import PHASES, implausible_cut, traced_phase_times
 from benchmarks.kernel_options import KERNEL_GRID, launch_options
 from sebp_jax import xla_flags
 
@@ -778,7 +778,10 @@ def run_jax(spec: ModelSpec, variant: Variant, settings: Settings) -> Iterator[R
         row.bwd_ms, row.opt_ms = grad_ms - row.fwd_ms, row.step_ms - grad_ms
         if len(firsts) == 1:  # one program (the per-batch variant's shapes are several)
           phases = _backward_on_device(grad_fn, params, timed, row.variant)
-          if phases is not None:
+          wrong = phases and implausible_cut(phases, row.fwd_ms)
+          if wrong:  # no GPU columns rather than a wrong ratio (benchmarks/NOTES.md "v44")
+            print(f"{row.variant} {row.workload}: no GPU phases ({wrong})", file=sys.stderr)
+          elif phases is not None:
             row.gpu_fwd_ms, row.gpu_bwd_ms, row.gpu_misplaced_ms = (
               phases[phase] for phase in PHASES)
       except Exception as e:  # recorded; the next workload runs (if the state survived)

@@ -556,3 +556,21 @@ def test_command_buffer_variants_are_opt_in_and_skipped_in_process(tmp_path):
   skipped = [r for r in result["rows"] if r["variant"] == "jax-dense-cmdbuf"]
   assert skipped and all("worker process of their own" in r["error"] for r in skipped)
   assert [r["error"] for r in result["rows"] if r["variant"] == "jax-dense"] == [None]
+
+
+@pytest.mark.parametrize("forward_ms, kept", [(0.0, True), (1e6, False)],
+                         ids=["plausible", "forward too long"])
+def test_jax_rows_leave_out_gpu_phases_whose_cut_is_implausible(monkeypatch, capsys, forward_ms,
+                                                                kept):
+  # A trace whose forward side holds more GPU time than the forward program takes on the host
+  # (benchmarks.device_trace.implausible_cut) gives no GPU columns, and says so.
+  from benchmarks import bert
+
+  phases = {"forward": forward_ms, "backward": 2.0, "misplaced": 0.0}
+  monkeypatch.setattr(workloads, "_backward_on_device", lambda *args: phases)
+  variant = {v.name: v for v in workloads.VARIANTS}["jax-dense"]
+  rows = [r for r in workloads.run_jax(bert.build(True), variant, workloads.Settings(0, 1))
+          if isinstance(r, workloads.Row)]
+  assert rows and all(r.error is None for r in rows)
+  assert all((r.gpu_bwd_ms == 2.0) if kept else (r.gpu_bwd_ms is None) for r in rows)
+  assert ("no GPU phases" in capsys.readouterr().err) != kept

@@ -133,3 +133,16 @@ def test_traced_phase_times_is_none_without_gpu_kernels():
   grad, args = _sebp_grad()
   hlo = grad.lower(*args).compile().as_text()
   assert device_trace.traced_phase_times(lambda: jax.block_until_ready(grad(*args)), hlo, 1) is None
+
+
+@pytest.mark.parametrize("forward, plausible", [(6.6, True), (151.7, True), (185.0, False),
+                                                (245.9, False)])
+def test_implausible_cut_flags_a_forward_longer_than_its_program(forward, plausible):
+  # The forward program of dense LLaMA b4 took 157.0 ms on the host; its cut once gave the
+  # forward 245.9 ms of GPU time and the backward ~95 ms too little (benchmarks/NOTES.md "v44").
+  phases = {"forward": forward, "backward": 200.7, "misplaced": 7.2}
+  why = device_trace.implausible_cut(phases, 157.0)
+  assert (why is None) == plausible
+  if not plausible:
+    assert f"{forward:.2f} ms" in why and "157.00 ms" in why
+
