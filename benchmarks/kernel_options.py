@@ -3,7 +3,8 @@ kernel module (tile tables, sizing, program order) replaced for a while.
 
 torch: :mod:`sebp_torch_ref.kernels`, whose launch plans are cached per shape (cleared before and
 after). JAX: :mod:`sebp_jax.backends.pallas`, whose tile choices are made when a layer's
-backward is traced, so a variant traced under the options keeps them in its compiled step.
+backward is traced, so a variant traced under the options keeps them in its compiled step, and
+:mod:`sebp_jax.linen`, whose swap decides when a model is traced how its layers' rules are formed.
 ``benchmarks.layer_torch`` times one layer's launch under each of its A/Bs, ``benchmarks.workloads``
 runs a model variant under its ``Variant.launch``; both beside the default in the same process, so
 that their ratios compare. Only the framework asked for is imported.
@@ -21,10 +22,11 @@ __all__ = ["KERNEL_GRID", "launch_options"]
 # torch: every eager launch through Triton's kernel[grid] instead of sebp_torch_ref.launch.CachedLaunch.
 KERNEL_GRID = (("_CACHED_LAUNCH", False),)
 
-# framework -> (kernel module, its functions that cache launch plans)
+# framework -> (its modules, each option set on the first that has it; the functions of the
+# first that cache launch plans)
 _KERNELS = {
-  "torch": ("sebp_torch_ref.kernels", ("_default_gemm_plan",)),
-  "jax": ("sebp_jax.backends.pallas", ()),
+  "torch": (("sebp_torch_ref.kernels",), ("_default_gemm_plan",)),
+  "jax": (("sebp_jax.backends.pallas", "sebp_jax.linen"), ()),
 }
 
 
@@ -38,19 +40,25 @@ def launch_options(options: Sequence[tuple[str, Any]], framework: str = "torch")
   if framework not in _KERNELS:
     raise ValueError(f"launch options: `framework` must be one of {sorted(_KERNELS)}, "
                      f"got {framework!r}.")
-  module_name, caches = _KERNELS[framework]
-  kernels = importlib.import_module(module_name)
-  for name, _ in options:
-    if not hasattr(kernels, name):
-      raise ValueError(f"launch option {name!r}: {module_name} has no such attribute.")
+  module_names, caches = _KERNELS[framework]
+  modules = [importlib.import_module(name) for name in module_names]
+  patches = []
+  for name, value in options:
+    owner = next((module for module in modules if hasattr(module, name)), None)
+    if owner is None:
+      raise ValueError(f"launch option {name!r}: {' and '.join(module_names)} have no such "
+                       "attribute.")
+    patches.append(mock.patch.object(owner, name, value))
 
   def clear_caches():
     for cache in caches:
-      getattr(kernels, cache).cache_clear()
+      getattr(modules[0], cache).cache_clear()
 
   clear_caches()
   try:
-    with mock.patch.multiple(kernels, **dict(options)):
+    with contextlib.ExitStack() as stack:
+      for patch in patches:
+        stack.enter_context(patch)
       yield
   finally:
     clear_caches()

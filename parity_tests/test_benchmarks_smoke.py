@@ -318,6 +318,12 @@ def test_jax_launch_options_choose_the_tiles_a_variant_traces_with(monkeypatch):
   with kernel_options.launch_options(ab.launch, framework="jax"):
     assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 128
   assert pallas.block_config(16384, 768, 768, jnp.bfloat16).dw_k == 64
+  # An option of the linen swap's (the lone Dense's bias inside its rule), set on that module.
+  from sebp_jax import linen
+  bias_ab = {v.name: v for v in VARIANTS}["jax-sebp-pallas-plan-nocond-bias-in-rule"]
+  with kernel_options.launch_options(bias_ab.launch, framework="jax"):
+    assert linen._LONE_BIAS_IN_RULE and not hasattr(pallas, "_LONE_BIAS_IN_RULE")
+  assert not linen._LONE_BIAS_IN_RULE
   with pytest.raises(ValueError, match="launch option '_NO_SUCH'.*sebp_jax.backends.pallas"):
     with kernel_options.launch_options((("_NO_SUCH", 0),), framework="jax"):
       pass

@@ -435,6 +435,86 @@ def test_another_dot_general_runs_layer_by_layer():
   assert len(calls) == 3 and got == _Siblings().apply(params, x)
 
 
+# --- a lone Dense's bias inside its rule (linen._LONE_BIAS_IN_RULE) -------------------------------
+
+from sebp_jax import linen as sebp_linen  # noqa: E402
+
+
+class _Mlp(nn.Module):
+  """BERT's feed-forward block in small: up (biased) and GELU, then down (no bias here)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(nn.Dense(FEATURES[0], name="up")(x), approximate=False)
+    return nn.Dense(FEATURES[1], use_bias=False, name="down")(h)
+
+
+def _mlp_case():
+  mask, x, *_ = _case("float32", seed=12)
+  x = jnp.where(jnp.asarray(mask)[..., None], x, 0.0)
+  dy = jnp.asarray(np.where(mask[..., None], np.random.default_rng(13).standard_normal(
+    (*SHAPE, FEATURES[1])), 0.0), jnp.float32)
+  return mask, x, dy, _Mlp().init(jax.random.key(1), x)
+
+
+def _mlp_vjp(params, x, swap):
+  def apply(params, x):
+    with swap:
+      return _Mlp().apply(params, x)
+  return jax.vjp(apply, params, x)[1]
+
+
+@pytest.fixture
+def lone_bias_in_rule(monkeypatch):
+  monkeypatch.setattr(sebp_linen, "_LONE_BIAS_IN_RULE", True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+def test_a_lone_dense_with_its_bias_in_the_rule(lone_bias_in_rule, impl, planned):
+  # The same gradients as dense autodiff (the bias's: dy's full row sum), one rule per layer,
+  # each layer reported once, the parameters init makes under the swap the layers' own.
+  mask, x, dy, params = _mlp_case()
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+  swap = sebp_jax.swap_dense(impl=impl, rows=plan)
+  got = _mlp_vjp(params, x, swap)(dy)
+  want = _mlp_vjp(params, x, contextlib.nullcontext())(dy)
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, want)
+  with sebp_jax.swap_dense(impl=impl, rows=plan) as report:
+    forward = str(jax.make_jaxpr(_Mlp().apply)(params, x))
+    init = _Mlp().init(jax.random.key(1), x)
+  assert forward.count("custom_vjp_call") == 2
+  assert [layer.path for layer in report.layers] == [("up",), ("down",)]
+  assert jax.tree.structure(init) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+def test_a_lone_dense_bias_is_summed_by_its_gather(monkeypatch, planned):
+  # With the flag, no reduction over up's whole dy in the backward: its gather sums the kept rows
+  # it copies. Without it, autodiff of the bias add is that reduction.
+  mask, x, dy, params = _mlp_case()
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+
+  def whole_dy_sums(flag):
+    monkeypatch.setattr(sebp_linen, "_LONE_BIAS_IN_RULE", flag)
+    vjp = _mlp_vjp(params, x, sebp_jax.swap_dense(impl="interpret", rows=plan))
+    return [eqn for eqn in iter_eqns(jax.make_jaxpr(vjp)(dy)) if eqn.primitive.name == "reduce_sum"
+            and eqn.invars[0].aval.shape in ((*SHAPE, FEATURES[0]), (18, FEATURES[0]))]
+
+  assert whole_dy_sums(False) and not whole_dy_sums(True)
+
+
+def test_a_lone_dense_in_a_group_stays_in_its_group(lone_bias_in_rule):
+  # Inside dense_siblings, each layer is captured for the group's rule, not made a group of its
+  # own: q, k and v still share one rule.
+  x, params = _module_case()
+  with sebp_jax.swap_dense(impl="xla"):
+    forward = str(jax.make_jaxpr(_Siblings().apply)(params, x))
+  assert forward.count("custom_vjp_call") == 1
+  got = _loss_grads(_Siblings(), params, x, sebp_jax.swap_dense(impl="xla"))
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, _loss_grads(_Siblings(), params, x))
+
+
 # --- linear_siblings: the same group through flax.nnx ---------------------------------------------
 
 from flax import nnx  # noqa: E402

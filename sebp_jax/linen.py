@@ -362,6 +362,20 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
              and len({(m.precision, m.dtype) for m in modules}) == 1)
   if not grouped:
     return tuple(module(x) for module in modules)
+  return _group_products(modules, x, swaps[0].dot_general)
+
+
+# A lone swapped nn.Dense with a bias runs as a group of one (`_group_products`), so that its
+# bias gradient is summed by its gather over the kept rows instead of by XLA over every row of
+# `dy` (BERT's FFN up: a column sum over 16384 x 3072 inside the GELU's backward fusion). Off
+# until measured on a GPU (benchmarks/NOTES.md, "v38 candidate"); the model benchmarks' variant
+# `jax-sebp-pallas-plan-nocond-bias-in-rule` turns it on for an A/B in one process.
+_LONE_BIAS_IN_RULE = False
+
+
+def _group_products(modules, x: jax.Array, dot_general: SEBPDotGeneral) -> tuple[jax.Array, ...]:
+  """The outputs of ``modules`` (``nn.Dense`` layers of input ``x``, one swap's) with their
+  products and biases under one :func:`sebp_jax.matmul.sebp_matmuls` rule."""
   # Each layer's __call__ runs twice: first with its product captured (its promoted input and
   # kernel; the output is dropped), then, once the products have run together, with its output
   # handed back, so that parameters, promotion and report are the layer's own. The biases go
@@ -374,7 +388,6 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
     captured = _OPEN.captured
   finally:
     _OPEN.captured = None
-  dot_general = swaps[0].dot_general
   biases = [None if not module.use_bias
             else nn.unbox(module.get_variable("params", "bias")).astype(lhs.dtype)  # promoted
             for module, (lhs, _) in zip(modules, captured)]
@@ -439,6 +452,10 @@ def _intercept(next_fun, args, kwargs, context):
     out = _einsum(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
   elif kind == "Embed.attend":
     out = _embed_attend(module, *args, dot_general=_named(swap.dot_general, path), **kwargs)
+  elif (_LONE_BIAS_IN_RULE and kind == "Dense" and module.use_bias and _OPEN.captured is None
+        and _OPEN.products is None and isinstance(swap.dot_general, SEBPDotGeneral)):
+    inputs = args[0] if args else kwargs["inputs"]  # nn.Dense.__call__(inputs)
+    (out,) = _group_products((module,), inputs, swap.dot_general)
   else:
     # Dense and DenseGeneral read their `dot_general` field in __call__: set it for this call.
     handing_back = _OPEN.captured is None and _OPEN.products is not None
