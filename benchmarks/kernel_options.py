@@ -46,7 +46,7 @@ def launch_options(options: Sequence[tuple[str, Any]], framework: str = "torch")
   for name, value in options:
     owner = next((module for module in modules if hasattr(module, name)), None)
     if owner is None:
-      raise ValueError(f"launch option {name!r}: {' and '.join(module_names)} have no such "
+      raise ValueError(f"launch option {name!r}: {' or '.join(module_names)} has no such "
                        "attribute.")
     patches.append(mock.patch.object(owner, name, value))
 

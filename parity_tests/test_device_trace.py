@@ -145,4 +145,3 @@ def test_implausible_cut_flags_a_forward_longer_than_its_program(forward, plausi
   assert (why is None) == plausible
   if not plausible:
     assert f"{forward:.2f} ms" in why and "157.00 ms" in why
-

@@ -159,8 +159,9 @@ def test_the_one_dw_launch_keeps_an_inf_row():
 def test_the_groups_dw_in_one_launch_on_the_gpu(monkeypatch):
   # LLaMA-3B-like q, k and v over two sequences of 2048 tokens, 1024 or more of each real (a
   # prefix), on the table's tiles sized for this GPU: each sibling splits its last wave's tiles
-  # over rows (two parts of at least 16 row blocks), so the one launch runs three fix-ups at once. Bitwise the launch per sibling (the same programs, the
-  # same order of sums), and dense float32 within bfloat16's tolerance.
+  # over rows (two parts of at least 16 row blocks), so the one launch runs three fix-ups at
+  # once. Bitwise the launch per sibling (the same programs, the same order of sums), and dense
+  # float32 within bfloat16's tolerance.
   monkeypatch.undo()  # the table's tiles, not the small ones
   rng = np.random.default_rng(12)
   lengths = rng.integers(1024, 3072, size=2)
