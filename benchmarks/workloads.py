@@ -364,8 +364,12 @@ VARIANTS: tuple[Variant, ...] = (
   # launch (NOTES "v37 measured"), against the default in the same process.
   Variant("jax-sebp-pallas-plan-nocond-dw-per-sibling", "jax", "pallas", per_batch=True,
           rows=True, crossover=1.0, launch=(("_SIBLINGS_DW_ONE_LAUNCH", False),)),
+  # ... with a dX launch per sibling (q/k/v, gate/up), the later ones adding into the first
+  # one's dx, instead of the group's one launch (NOTES "v39 measured").
+  Variant("jax-sebp-pallas-plan-nocond-dx-per-sibling", "jax", "pallas", per_batch=True,
+          rows=True, crossover=1.0, launch=(("_SIBLINGS_DX_ONE_LAUNCH", False),)),
   # ... with each lone Dense's bias inside its rule, its gradient summed by its gather over the
-  # kept rows (BERT's FFN up, attention output and FFN down; NOTES "v38 candidate").
+  # kept rows (BERT's FFN up, attention output and FFN down; NOTES "v38 measured").
   Variant("jax-sebp-pallas-plan-nocond-bias-in-rule", "jax", "pallas", per_batch=True,
           rows=True, crossover=1.0, launch=(("_LONE_BIAS_IN_RULE", True),)),
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.

@@ -166,7 +166,7 @@ def test_free_linear_backward_reaches_the_models_tied_head():
   ("jax-dense", 0, 0),
 ])
 def test_variants_build_their_value_and_grad(name, conds, kernels):
-  from parity_tests.jaxprs import count_primitive
+  from parity_tests.jaxprs import count_primitive, iter_eqns
 
   variant = {v.name: v for v in workloads.VARIANTS}[name]
   x = jnp.ones((2, 16, 8))
@@ -180,7 +180,8 @@ def test_variants_build_their_value_and_grad(name, conds, kernels):
 
   # Traced, not run: the Pallas kernels need a GPU, the jaxpr does not.
   jaxpr = jax.make_jaxpr(workloads._jax_value_and_grad(variant, loss))(params, batch)
-  assert count_primitive(jaxpr, "cond") == conds
+  # The program's conditionals, not the `pl.when`s inside kernels (the gather's bias sums).
+  assert [e.primitive.name for e in iter_eqns(jaxpr, into_kernels=False)].count("cond") == conds
   assert count_primitive(jaxpr, "pallas_call") == kernels
 
 

@@ -9,6 +9,8 @@ runs the kernels in the Pallas interpreter on CPU; "pallas" runs them on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -732,20 +734,27 @@ def test_planned_backward_lowers_to_triton_ir(split, kernel_nk):
   assert "stablehlo.gather" not in text
 
 
+@pytest.mark.parametrize("one_dx", [False, True], ids=["dx_each", "dx_one_launch"])
 @pytest.mark.parametrize("one_dw", [False, True], ids=["dw_each", "dw_one_launch"])
 @pytest.mark.parametrize("column_sums", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "scored"])
-def test_sibling_groups_lower_to_triton_ir(monkeypatch, planned, column_sums, one_dw):
+def test_sibling_groups_lower_to_triton_ir(monkeypatch, planned, column_sums, one_dw, one_dx):
   # q, k and v of LLaMA-3B-like widths: one gather of x and the three dy (four sources of
   # different widths; with biases, it sums the dys' rows too), then dX (the later two
   # accumulating) and dW per sibling, or the three dW in one launch (`dw_siblings_pallas`, each
-  # splitting its few tiles over rows as on a 132-SM GPU); scored (exact policy, default
-  # crossover), one partition of the union of their rows before it.
+  # splitting its few tiles over rows as on a 132-SM GPU), or the three dX in one launch (each
+  # tile's loop through the three N, split two ways); scored (exact policy, default crossover),
+  # one partition of the union of their rows before it.
   from jax import export
 
   monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", one_dw)
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", one_dx)
   if one_dw:
     monkeypatch.setattr(pallas_backend, "_sm_count", lambda: 132)
+  if one_dx:
+    table = pallas_backend.block_config
+    monkeypatch.setattr(pallas_backend, "block_config", lambda *args: dataclasses.replace(
+      table(*args), dx_split=2))
 
   mask = jax.ShapeDtypeStruct((512,), jnp.bool_)
   shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -760,5 +769,5 @@ def test_sibling_groups_lower_to_triton_ir(monkeypatch, planned, column_sums, on
     jax.jit(backward), platforms=["cuda"],
     disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(mask,
                                                                                        *shapes)
-  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == (not planned) + 1 + 3 + (
-    1 if one_dw else 3)
+  assert exported.mlir_module().count("@__gpu$xla.gpu.triton(") == (not planned) + 1 + (
+    1 if one_dx else 3) + (1 if one_dw else 3)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from parity_tests.impls import impl_params
-from parity_tests.jaxprs import iter_eqns
+from parity_tests.jaxprs import dot_output_shapes, iter_eqns
 from parity_tests.tolerances import assert_close
 import sebp_jax
 from sebp_jax import row_plan, sebp_matmul, sharded_rows
@@ -102,8 +102,9 @@ def test_siblings_share_one_partition_and_gather_where_exact(rows, policy, share
   groups = 1 if shared else len(FEATURES)
   assert launches.count("sebp_gather") == groups
   assert launches.count("sebp_partition") == (0 if plan is not None else groups)
-  assert launches.count("sebp_dx") == len(FEATURES)
-  # dW: one launch for the group where it shares its rows, one per sibling where it does not.
+  # dX and dW: one launch each for the group where it shares its rows, one per sibling where it
+  # does not.
+  assert launches.count("sebp_dx") == (1 if shared else len(FEATURES))
   assert launches.count("sebp_dw_siblings") == (1 if shared else 0)
   assert launches.count("sebp_dw") == (0 if shared else len(FEATURES))
 
@@ -132,7 +133,8 @@ def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
   monkeypatch.setattr(pallas_backend, "_SIBLINGS_DW_ONE_LAUNCH", True)
   launches = _kernel_launches(fn, x, kernels, dys)
   assert launches.count("sebp_dw_siblings") == 1 and "sebp_dw" not in launches, launches
-  assert launches.count("sebp_dx") == len(FEATURES)
+  # dX: one launch where the siblings' dX tiles are alike (the mixed ones' rows are not).
+  assert launches.count("sebp_dx") == (1 if tiles == "split tails" else len(FEATURES))
   dx, dws = _grads(fn, x, kernels, dys)
   # dX's launches are the same as before (test_matches_dense_autodiff checks them).
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(per_sibling[0]))
@@ -142,6 +144,67 @@ def test_the_groups_dw_in_one_launch(monkeypatch, dtype, planned, tiles):
     assert_close(dw, want, dtype, what=f"dw[{index}]")
     # The same programs as the launch per sibling: the same sums, in the same order.
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(before))
+
+
+# dX split 4 ways over one live tile: 2 + 2 + 2 steps of N in turn (each sibling padded to 32
+# columns, steps of 16), shared 2, 2, 2, 0 by the parts, so that parts run across siblings.
+_DX_SPLIT_TILES = dataclasses.replace(TILES, dx_split=4, dx_programs=4)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+@pytest.mark.parametrize("tiles, dtype", [("unsplit", "float32"), ("unsplit", "bfloat16"),
+                                          ("split", "float32"), ("split", "bfloat16")])
+def test_the_groups_dx_in_one_launch(monkeypatch, dtype, planned, tiles):
+  # `dx_pallas` of every sibling: each tile's loop runs through the three N in turn (split over
+  # programs across the siblings' boundaries), one launch, against dense float32; dW bitwise
+  # the launch per sibling's.
+  config = {"unsplit": TILES, "split": _DX_SPLIT_TILES}[tiles]
+  monkeypatch.setattr(pallas_backend, "block_config", lambda *args: config)
+  mask, x, kernels, dys = _case(dtype, seed=6)
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", rows=plan)  # noqa: E731
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", False)
+  per_sibling = _grads(fn, x, kernels, dys)
+  assert _kernel_launches(fn, x, kernels, dys).count("sebp_dx") == len(FEATURES)
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", True)
+  launches = _kernel_launches(fn, x, kernels, dys)
+  assert launches.count("sebp_dx") == 1 and launches.count("sebp_dw_siblings") == 1, launches
+  dx, dws = _grads(fn, x, kernels, dys)
+  # Dense float32 on the same values: one rounding of the whole sum, as the one launch does
+  # (bfloat16 autodiff rounds each sibling's dx before adding them).
+  f32 = lambda arrays: tuple(a.astype(jnp.float32) for a in arrays)  # noqa: E731
+  want_dx, _ = _grads(_dense, x.astype(jnp.float32), f32(kernels), f32(dys))
+  assert dx.shape == x.shape and dx.dtype == x.dtype
+  assert_close(dx, want_dx, dtype, what="dx")
+  if not planned:  # the dropped rows: zeros written by the launch
+    np.testing.assert_array_equal(np.asarray(dx)[~mask], 0.0)
+  for index, (dw, before) in enumerate(zip(dws, per_sibling[1])):
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(before), err_msg=f"dw[{index}]")
+
+
+def test_siblings_with_other_dx_tiles_keep_a_launch_each(monkeypatch):
+  # The 5-wide sibling on dX tiles of its own: no one launch for three tiles that differ, a
+  # launch each (the later ones adding into the first one's dx), the same values.
+  monkeypatch.setattr(pallas_backend, "block_config", lambda rows, k, n, dtype: (
+    dataclasses.replace(TILES, dx_warps=8) if n == 5 else TILES))
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", True)
+  mask, x, kernels, dys = _case("float32", seed=7)
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl="interpret", rows=row_plan(jnp.asarray(mask)))  # noqa: E731
+  assert _kernel_launches(fn, x, kernels, dys).count("sebp_dx") == len(FEATURES)
+  assert_close(_grads(fn, x, kernels, dys)[0], _grads(_dense, x, kernels, dys)[0], "float32")
+
+
+def test_the_one_dx_launch_keeps_nan_and_inf():
+  # A NaN in one sibling's kept row and an Inf in another's: the summed dx row is non-finite
+  # there and finite everywhere else.
+  mask, x, kernels, dys = _case("float32", seed=8)
+  dys = (dys[0].at[0, 2, 1].set(jnp.nan), dys[1], dys[2].at[1, 0, 4].set(jnp.inf))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", True)
+    dx, _ = _grads(lambda x, ks: sebp_matmuls(x, ks, impl="interpret"), x, kernels, dys)
+  finite = np.isfinite(np.asarray(dx)).all(axis=-1)
+  assert not finite[0, 2] and not finite[1, 0]
+  assert finite.sum() == finite.size - 2
 
 
 def test_the_one_dw_launch_keeps_an_inf_row():
@@ -187,12 +250,85 @@ def test_the_groups_dw_in_one_launch_on_the_gpu(monkeypatch):
     assert_close(dw, dense, "bfloat16", what=f"dw[{index}]")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, widths", [(16384, (768, 768, 768)), (4096, (8192, 8192))],
+                         ids=["bert_qkv", "llama_gate_up"])
+def test_the_groups_dx_in_one_launch_on_the_gpu(monkeypatch, rows, widths):
+  # BERT-base's q/k/v at batch 32 and LLaMA-3B's gate/up at batch 1 (the latter's dX split two
+  # ways), real tokens a prefix of each 512 / 4096-token sequence, on the table's tiles sized
+  # for this GPU: one dX launch, within bfloat16's tolerance of dense float32.
+  monkeypatch.undo()  # the table's tiles, not the small ones
+  monkeypatch.setattr(pallas_backend, "_SIBLINGS_DX_ONE_LAUNCH", True)
+  rng = np.random.default_rng(13)
+  seq = 512 if rows == 16384 else 4096
+  lengths = rng.integers(8, seq // 6, size=rows // seq)
+  mask = np.arange(seq)[None, :] < lengths[:, None]
+  k = 768 if rows == 16384 else 3072
+  x = jnp.asarray(rng.standard_normal((rows // seq, seq, k)), jnp.bfloat16)
+  kernels = tuple(jnp.asarray(rng.standard_normal((k, n)) / 50, jnp.bfloat16) for n in widths)
+  dys = tuple(jnp.asarray(np.where(mask[..., None], rng.standard_normal((*mask.shape, n)), 0),
+                          jnp.bfloat16) for n in widths)
+  plan = row_plan(jnp.asarray(mask))
+  fn = lambda x, ks: sebp_matmuls(x, ks, impl="pallas", rows=plan)  # noqa: E731
+  assert _kernel_launches(fn, x, kernels, dys).count("sebp_dx") == 1
+  dx = jax.jit(lambda x, ks, dys: _grads(fn, x, ks, dys)[0])(x, kernels, dys)
+  f32 = lambda arrays: tuple(a.astype(jnp.float32) for a in arrays)  # noqa: E731
+  want = _grads(_dense, x.astype(jnp.float32), f32(kernels), f32(dys))[0]
+  assert_close(dx, want, "bfloat16", what="dx")
+
+
 def test_one_dw_launch_names_mismatched_arguments():
   x, dyc = jnp.ones((16, 16)), jnp.ones((16, 32))
   perm, count = jnp.arange(16, dtype=jnp.int32), jnp.array([16], jnp.int32)
   with pytest.raises(ValueError, match="2 `dycs`, 1 `configs`"):
     pallas_backend.dw_siblings_pallas(x, [dyc, dyc], perm, count, configs=[TILES],
                                       interpret=True)
+
+
+def _launches_and_dots(fn, *args):
+  """The Pallas kernels (by name) and the output shapes of the dots that ``fn(*args)`` runs."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return ([str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0]
+           for e in iter_eqns(jaxpr) if e.primitive.name == "pallas_call"],
+          dot_output_shapes(jaxpr))
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("planned", [False, True], ids=["scored", "planned"])
+@pytest.mark.parametrize("wrt", ["x", "kernels", "x and k"])
+def test_a_group_runs_only_the_products_autodiff_asks_for(impl, planned, wrt):
+  # As sebp_matmul's rule: no dX for an input without gradient, no dW for a frozen kernel
+  # (`perturbed` under symbolic zeros); what is asked for equals dense autodiff.
+  mask, x, kernels, dys = _case("float32", seed=9)
+  plan = row_plan(jnp.asarray(mask)) if planned else None
+  biases = _biases("float32")
+
+  def loss(fn, x, ks):
+    return sum(jnp.sum(y * dy) for y, dy in zip(fn(x, ks, biases), dys))
+
+  sebp = lambda x, ks, bs: sebp_matmuls(x, ks, bs, impl=impl, rows=plan)  # noqa: E731
+  dense = lambda x, ks, bs: tuple(x @ k + b for k, b in zip(ks, bs))  # noqa: E731
+  # x and k: the input and the middle kernel differentiated, the other two frozen.
+  argnums, split = {"x": (0, None), "kernels": (1, None), "x and k": ((0, 1), 1)}[wrt]
+
+  def grads(fn):
+    if split is None:
+      return jax.grad(lambda x, ks: loss(fn, x, ks), argnums=argnums)
+    return jax.grad(lambda x, k: loss(fn, x, (kernels[0], k, kernels[2])), argnums=argnums)
+  args = (x, kernels if split is None else kernels[split])
+  got, want = grads(sebp)(*args), grads(dense)(*args)
+  jax.tree.map(lambda a, b: assert_close(a, b, "float32"), got, want)
+
+  launches, dots = _launches_and_dots(grads(sebp), *args)
+  dw_shapes = [(12, n) for n in FEATURES]
+  wanted_dw = {"x": [], "kernels": dw_shapes, "x and k": [dw_shapes[1]]}[wrt]
+  if impl == "xla":  # XLA's dots (in each capacity's branch): dW of the asked-for kernels only
+    assert sorted({shape for shape in dots if shape in dw_shapes}) == sorted(wanted_dw)
+    assert any(shape[-1] == 12 and len(shape) == 2 and shape[0] >= 18 for shape in dots) == (
+      wrt != "kernels"), dots
+  else:
+    assert ("sebp_dx" in launches) == (wrt != "kernels"), launches
+    assert ("sebp_dw_siblings" in launches) == bool(wanted_dw), launches
 
 
 @pytest.mark.parametrize("policy", [sebp_jax.RowPolicy(threshold=0.5),

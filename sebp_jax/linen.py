@@ -367,9 +367,11 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
 
 # A lone swapped nn.Dense with a bias runs as a group of one (`_group_products`), so that its
 # bias gradient is summed by its gather over the kept rows instead of by XLA over every row of
-# `dy` (BERT's FFN up: a column sum over 16384 x 3072 inside the GELU's backward fusion). Off
-# until measured on a GPU (benchmarks/NOTES.md, "v38 candidate"); the model benchmarks' variant
-# `jax-sebp-pallas-plan-nocond-bias-in-rule` turns it on for an A/B in one process.
+# `dy` (BERT's FFN up: a column sum over 16384 x 3072 inside the GELU's backward fusion; the
+# backward's GPU time -0.14 to -0.17 ms on BERT-base b32, benchmarks/NOTES.md "v38 measured").
+# Off: the group's rule does not yet skip what `sebp_matmul`'s skips (the dX of an input without
+# gradient, the dW of a frozen kernel), so a lone layer would lose that. The model benchmarks'
+# variant `jax-sebp-pallas-plan-nocond-bias-in-rule` turns it on for an A/B in one process.
 _LONE_BIAS_IN_RULE = False
 
 

@@ -281,19 +281,26 @@ def _sebp_siblings_fwd(policy, impl, crossover, precision, name, sharding, x, ke
   ys = tuple(_plus_bias(_forward(x.value, kernel.value, precision), bias)
              for kernel, bias in zip(kernels, values))
   plan = None if plan is None else jax.tree.map(lambda leaf: leaf.value, plan)
+  # As _sebp_product_fwd: save only what the needed products use (`perturbed`, with symbolic
+  # zeros), so a frozen kernel costs no dW and an input without gradient no dX. Which kernels
+  # are differentiated is static: told apart by the residuals' structure (() or None).
+  wanted = tuple(() if kernel.perturbed else None for kernel in kernels)
+  saved_x = x.value if any(kernel.perturbed for kernel in kernels) else None
+  saved_kernels = tuple(kernel.value for kernel in kernels) if x.perturbed else None
   # The biases (a few hundred numbers each) for their dtypes: their gradients are sums of `dy`.
-  return ys, (x.value, tuple(kernel.value for kernel in kernels), tuple(values), plan)
+  return ys, (saved_x, saved_kernels, wanted, tuple(values), plan)
 
 
 def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, residuals, dys):
-  x, kernels, biases, plan = residuals
+  x, kernels, wanted, biases, plan = residuals
+  with_dw = [mark is not None for mark in wanted]
   bias_dtypes = [None if bias is None else bias.dtype for bias in biases]
   used = [index for index, dy in enumerate(dys) if not isinstance(dy, SymbolicZero)]
-  dws = [jnp.zeros_like(kernel) for kernel in kernels]
-  dbs = [None if dtype is None else jnp.zeros(kernel.shape[1:], dtype)
-         for kernel, dtype in zip(kernels, bias_dtypes)]
+  dws = [None] * len(dys)
+  dbs = [None if dtype is None else jnp.zeros(bias.shape, dtype)
+         for bias, dtype in zip(biases, bias_dtypes)]
   if not used:
-    return jnp.zeros_like(x), tuple(dws), tuple(dbs), None
+    return None, tuple(dws), tuple(dbs), None
   # The bias gradients, where any used sibling has a bias: the column sums of every used `dy`,
   # which a shared gather takes from the rows it copies anyway.
   column_sums = any(bias_dtypes[index] is not None for index in used)
@@ -302,17 +309,27 @@ def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, resid
   # rows is exact for all (a row plan's, or the union under the exact policy) one gather
   # serves them all.
   group = _siblings_backend(impl, crossover)
+  used_with_dw = [with_dw[index] for index in used]
+  if kernels is None and not any(used_with_dw):  # no product asked for: the bias sums alone
+    if column_sums:
+      for index, db in zip(used, xla_backend.full_column_sums([dys[i] for i in used])):
+        if bias_dtypes[index] is not None:
+          dbs[index] = db.astype(bias_dtypes[index])
+    return None, tuple(dws), tuple(dbs), None
+  dtype = (x if x is not None else kernels[0]).dtype
 
   def backward(x2d, group_kernels, group_dys, plan):
     if plan is not None and plan.check:  # on this device's rows: no collective
       for index, dy2d in zip(used, group_dys):
         check_plan_covers(plan, dy2d, f"{name or 'sebp_matmuls'}[{index}]")
     dx2d, group_dws, group_dbs = group(x2d, list(group_kernels), list(group_dys), policy=policy,
-                                       precision=precision, plan=plan, column_sums=column_sums)
+                                       precision=precision, plan=plan, column_sums=column_sums,
+                                       with_dw=used_with_dw)
     return dx2d, (tuple(group_dws), tuple(group_dbs or ()))
   dx, (used_dws, used_dbs) = per_shard_backward(
-    backward, x, tuple(kernels[index] for index in used),
-    tuple(dys[index].astype(x.dtype) for index in used), sharding, plan=plan)
+    backward, x if any(used_with_dw) else None,
+    tuple(None if kernels is None else kernels[index] for index in used),
+    tuple(dys[index].astype(dtype) for index in used), sharding, plan=plan)
   for index, dw in zip(used, used_dws):
     dws[index] = dw
   for index, db in zip(used, used_dbs):

@@ -166,6 +166,8 @@ def _local_backward(backward: Backward, x, kernel, dy, plan: RowPlan | None, *,
     return dx, dw
 
   def reduced(dw, kernel):
+    if dw is None:  # a sibling whose dW was not asked for
+      return None
     axes = reduce_over
     if axes is None:
       kernel_axes = frozenset() if kernel is None else _varying(kernel)
@@ -317,7 +319,9 @@ def per_shard_backward(backward: Backward, x, kernel, dy, rows: RowSharding | No
 
   dx, dw = jax.shard_map(
     body, mesh=mesh, in_specs=({n: specs[n] for n in present},),
-    out_specs=(specs["x"] if kernel is not None else None, dw_spec if x is not None else None),
+    # Siblings: their dWs (or Nones) and their dys' column sums, whether or not x is there.
+    out_specs=(specs["x"] if jax.tree.leaves(kernel) else None,
+               dw_spec if x is not None or siblings else None),
     # Unchecked: the Pallas interpreter cannot run kernels with loops on varying values (jax
     # 0.10); the reductions are explicit above.
     axis_names=set(row_axes) | set(k_axes), check_vma=False)(present)

@@ -197,6 +197,16 @@ _MAX_DW_SPLIT = 8
 # backward at 12.5 % real; benchmarks/NOTES.md, "v37 measured"). False gives the launch per
 # sibling, which the tests compare it with bitwise.
 _SIBLINGS_DW_ONE_LAUNCH = True
+# Sibling products' dX in one launch (dx_pallas of every sibling: each tile's loop runs through
+# their N in turn) where their dX tiles are alike, instead of a launch each, the later ones
+# adding into the first one's dx: BERT's q/k/v, a 36-step chain a tile instead of three 12-step
+# ones and two launch tails fewer (-0.07 to -0.09 ms of BERT-base b32's backward GPU time,
+# benchmarks/NOTES.md "v39 measured"). False gives the launch per sibling: the model benchmarks'
+# reverse A/B variant `jax-sebp-pallas-plan-nocond-dx-per-sibling`.
+_SIBLINGS_DX_ONE_LAUNCH = True
+# The fields of a BlockConfig that make a dX launch: siblings with equal ones can share one.
+_DX_FIELDS = ("dx_m", "dx_k", "dx_n", "dx_warps", "dx_stages", "dx_group", "dx_split",
+              "dx_programs", "compact", "fused")
 # Shared memory one Hopper SM gives its programs (227 KB of its 228).
 _SHARED_MEMORY = 227 * 1024
 
@@ -602,7 +612,7 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
                block_m: int, block_k: int, block_n: int, group: int, precision,
                programs: int, split: int, barrier: bool = True, compact: bool = True,
                kernel_nk: bool = False, accumulate: bool = False, zero_rows: bool = True,
-               program=None):
+               siblings: int = 1, program=None):
   """One persistent program of the dX GEMM: it works through its share of the launch's
   *items* (the GEMM's ``program, program + programs, ...`` below their runtime number, then its
   zero items), then exits.
@@ -636,13 +646,22 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
   Without ``zero_rows`` no zero item runs: the rows past the live tiles are never written, and
   hold whatever the buffer held (see :func:`dx_pallas`).
 
+  ``siblings``: products of one input whose ``dx`` add up (q, k and v; gate and up), in one
+  loop: ``refs`` starts with the other ``siblings - 1`` pairs of ``dyc`` and ``kernel``, and each
+  tile's loop over ``N`` runs through every sibling's ``N`` in turn (their steps numbered one
+  after another, so a split shares them as one loop), instead of a launch per sibling, each
+  after the first adding its kept rows into the first one's ``dx``.
+
   ``program``: this program's number among the launch's dX programs (default: its program id;
   :func:`_grads_kernel` passes it).
   """
-  refs = refs[accumulate + (split > 1):]  # past the inputs that the outputs alias
+  pairs = ((dyc_ref, kernel_ref),) + tuple(
+    (refs[2 * i], refs[2 * i + 1]) for i in range(siblings - 1))
+  refs = refs[2 * (siblings - 1) + accumulate + (split > 1):]  # past the inputs
   dx_ref, arrivals_ref, partials_ref = refs if split > 1 else (*refs, None, None)
   col_blocks = kernel_ref.shape[1 if kernel_nk else 0] // block_k
-  total = dyc_ref.shape[1] // block_n
+  own_steps = [dyc.shape[1] // block_n for dyc, _ in pairs]
+  total = sum(own_steps)
   count = count_ref[0]
   live_blocks = pl.cdiv(count, block_m)
   live_tiles = live_blocks * col_blocks
@@ -682,16 +701,30 @@ def _dx_kernel(count_ref, perm_ref, dyc_ref, kernel_ref, *refs,
     load_dy = _kept_rows(perm_ref, count, start, block_m, compact=compact)
 
     def product(first_step, steps):
-      def step(n, acc):
-        span = pl.ds((first_step + n) * block_n, block_n)
-        weights = kernel_ref[span, cols] if kernel_nk else kernel_ref[cols, span]
-        return acc + lax.dot_general(load_dy(dyc_ref, span), weights,
-                                     DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
-                                     preferred_element_type=jnp.float32)
+      def steps_of(dyc, kernel, first, trips, acc):
+        def step(n, acc):
+          span = pl.ds((first + n) * block_n, block_n)
+          weights = kernel[span, cols] if kernel_nk else kernel[cols, span]
+          return acc + lax.dot_general(load_dy(dyc, span), weights,
+                                       DX_NK_DIMS if kernel_nk else DX_DIMS, precision=precision,
+                                       preferred_element_type=jnp.float32)
 
-      # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted
-      # tiles go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
-      return lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_k), jnp.float32))
+        # A trip count, not a branch, so the loop stays a plain pipelined loop, and compacted
+        # tiles go to the dot untouched (rows of the last block past `count` are zero in `dyc`).
+        return lax.fori_loop(0, trips, step, acc)
+
+      acc = jnp.zeros((block_m, block_k), jnp.float32)
+      if siblings == 1:
+        return steps_of(dyc_ref, kernel_ref, first_step, steps, acc)
+      # Steps first_step .. first_step + steps - 1 of the siblings' steps numbered in turn: each
+      # sibling's own that fall in that run (static where the run is: the unsplit loop).
+      clip = ((lambda v, hi: min(max(v, 0), hi)) if isinstance(first_step + steps, int)
+              else (lambda v, hi: jnp.clip(v, 0, hi)))
+      for (dyc, kernel), offset, own in zip(pairs, itertools.accumulate([0] + own_steps),
+                                            own_steps):
+        first = clip(first_step - offset, own)
+        acc = steps_of(dyc, kernel, first, clip(first_step + steps - offset, own) - first, acc)
+      return acc
 
     def store_rows(total):
       rows = perm_ref[pl.ds(start, block_m)]
@@ -859,19 +892,27 @@ def _dx_launch(num_rows: int, in_features: int, out_steps: int,
   return programs, split, split_rows
 
 
-def _dx_plan(dyc, kernel, config: BlockConfig, precision, kernel_nk: bool, accumulator,
+def _dx_plan(dycs, kernels, config: BlockConfig, precision, kernel_nk: bool, accumulator,
              zero_rows: bool, interpret: bool):
-  """``(programs, split, split_rows, body, dx_shape)`` of the dX GEMM (:func:`dx_pallas`)."""
-  num_rows, out_features = dyc.shape
-  in_features = kernel.shape[1 if kernel_nk else 0]
-  programs, split, split_rows = _dx_launch(num_rows, in_features, out_features // config.dx_n,
-                                           config)
+  """``(programs, split, split_rows, body, dx_shape)`` of the dX GEMM (:func:`dx_pallas`) of the
+  products of ``dycs`` and ``kernels`` (one of each per sibling)."""
+  num_rows = dycs[0].shape[0]
+  in_features = kernels[0].shape[1 if kernel_nk else 0]
+  if len(dycs) != len(kernels) or any(
+      dyc.shape[0] != num_rows or kernel.shape[1 if kernel_nk else 0] != in_features
+      or kernel.dtype != kernels[0].dtype for dyc, kernel in zip(dycs, kernels)):
+    raise ValueError("dx_pallas: one `kernel` per `dyc`, every `dyc` of the same rows and every "
+                     "kernel of the same input features and dtype, got "
+                     f"{[d.shape for d in dycs]} and {[(k.shape, k.dtype) for k in kernels]}.")
+  out_steps = sum(dyc.shape[1] for dyc in dycs) // config.dx_n
+  programs, split, split_rows = _dx_launch(num_rows, in_features, out_steps, config)
   body = functools.partial(_dx_kernel, block_m=config.dx_m, block_k=config.dx_k,
                            block_n=config.dx_n, group=config.dx_group, precision=precision,
                            programs=programs, split=split, barrier=not interpret,
                            compact=config.compact, kernel_nk=kernel_nk,
-                           accumulate=accumulator is not None, zero_rows=zero_rows)
-  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernel.dtype)
+                           accumulate=accumulator is not None, zero_rows=zero_rows,
+                           siblings=len(dycs))
+  dx_shape = jax.ShapeDtypeStruct((num_rows, in_features), kernels[0].dtype)
   if accumulator is not None and (accumulator.shape, accumulator.dtype) != (dx_shape.shape,
                                                                            dx_shape.dtype):
     raise ValueError(f"dx_pallas: `accumulator` must be {dx_shape.dtype}{list(dx_shape.shape)}, "
@@ -883,16 +924,21 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
               interpret: bool = False, kernel_nk: bool = False,
               accumulator: jax.Array | None = None, zero_rows: bool = True,
               arrivals: jax.Array | None = None) -> jax.Array:
-  """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``.
+  """``dx = (dy * keep) @ kernelᵀ`` from the compacted gradient ``dyc``; of sibling products
+  of one input (sequences ``dyc`` and ``kernel``), the sum of theirs.
 
   One GEMM launch (``sebp_dx``), which also writes the zeros of the dropped rows (with
   ``zero_rows``) and, with ``config.dx_split > 1``, sums the split tiles' float32 partials
   (:func:`_sum_parts`: one zeroed arrival counter per tile of the split rows, aliased).
+  Siblings' products add up inside each tile's loop, which runs through every sibling's ``N``
+  in turn (:func:`_dx_kernel`'s ``siblings``).
 
   Args:
     dyc: ``(M, N)``, the kept rows of ``dy`` first (:func:`gather_pallas`), or ``dy`` itself
-      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``.
-    kernel: ``(K, N)`` with ``K % dx_k == 0``; ``(N, K)`` with ``kernel_nk``.
+      when ``config.compact`` is off; ``M % dx_m == 0`` and ``N % dx_n == 0``. Or a sequence of
+      such ``(M, N_i)``, one per sibling.
+    kernel: ``(K, N)`` with ``K % dx_k == 0``; ``(N, K)`` with ``kernel_nk``. Or a sequence of
+      such ``(K, N_i)``, one per ``dyc``.
     perm: ``(M' >= M,)`` int32 active-first permutation; ``count``: ``(1,)`` int32.
     accumulator: ``(M, K)`` in ``kernel.dtype`` or ``None``: the result is ``accumulator + dx``,
       written into the accumulator's buffer (donated), and no zero row is written.
@@ -905,15 +951,20 @@ def dx_pallas(dyc, kernel, perm, count, *, config: BlockConfig, precision=None,
   Returns:
     ``(M, K)`` in ``kernel.dtype``.
   """
-  programs, split, split_rows, body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
-                                                         accumulator, zero_rows, interpret)
-  operands = (count, perm, dyc, kernel) + (() if accumulator is None else (accumulator,))
-  aliases = {} if accumulator is None else {4: 0}
+  dycs = tuple(dyc) if isinstance(dyc, (tuple, list)) else (dyc,)
+  kernels = tuple(kernel) if isinstance(kernel, (tuple, list)) else (kernel,)
+  programs, split, split_rows, body, dx_shape = _dx_plan(dycs, kernels, config, precision,
+                                                         kernel_nk, accumulator, zero_rows,
+                                                         interpret)
+  operands = (count, perm, *(a for pair in zip(dycs, kernels) for a in pair)) + (
+    () if accumulator is None else (accumulator,))
+  aliases = {} if accumulator is None else {len(operands) - 1: 0}
   out_shape = dx_shape
   if arrivals is not None and split == 1:
     raise ValueError("dx_pallas: `arrivals` given to a launch that splits no tile.")
   if split > 1:
-    split_tiles = _dx_counter_slots(dyc.shape[0], dx_shape.shape[1], dyc.shape[1], config)
+    split_tiles = _dx_counter_slots(dycs[0].shape[0], dx_shape.shape[1],
+                                    sum(d.shape[1] for d in dycs), config)
     arrivals, split_shapes = _sum_parts_buffers(split, split_tiles, (config.dx_m, config.dx_k),
                                                 arrivals)
     aliases[len(operands)] = 1
@@ -1025,8 +1076,8 @@ def grads_pallas(xc, dyc, kernel, perm, count, *, config: BlockConfig, dw_config
   arguments as :func:`dx_pallas`'s."""
   if config.dx_split > 1:  # its arrival counters and partial tiles are dx_pallas's alone
     raise ValueError(f"grads_pallas: needs dx_split=1, got dx_split={config.dx_split}.")
-  dx_programs, _, _, dx_body, dx_shape = _dx_plan(dyc, kernel, config, precision, kernel_nk,
-                                                  accumulator, zero_rows, interpret)
+  dx_programs, _, _, dx_body, dx_shape = _dx_plan((dyc,), (kernel,), config, precision,
+                                                  kernel_nk, accumulator, zero_rows, interpret)
   lhs, rhs = (dyc, xc) if kernel_nk else (xc, dyc)
   dw = _dw_plan(lhs, rhs, dw_config, precision, interpret, dw_arrivals)
   accumulate = accumulator is not None
@@ -1243,7 +1294,8 @@ def _zero_dropped_rows(dx, keep):
 
 def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
                       interpret: bool = False, crossover: float | None = None,
-                      plan: RowPlan | None = None, column_sums: bool = False):
+                      plan: RowPlan | None = None, column_sums: bool = False,
+                      with_dw: Sequence[bool] | None = None):
   """SEBP backward of sibling products ``y_i = x @ kernels[i]`` of one input: ``(dx, dws, dbs)``,
   ``dx`` the sum of every sibling's.
 
@@ -1251,8 +1303,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   policy the union of each sibling's kept rows (a row that is zero in one sibling's ``dy`` adds
   nothing to its products, so the union is exact). Then one partition (none under a plan), one
   gather launch that copies the kept rows of ``x`` and of every ``dys[i]``, each sibling's
-  products on those copies, its dX adding into the first sibling's in place, and at most one
-  crossover conditional for the group. Otherwise (a threshold or Top-N policy, a layer whose
+  products on those copies, its dX adding into the first sibling's in place (or, with
+  ``_SIBLINGS_DX_ONE_LAUNCH`` and alike dX tiles, every sibling's dX in one launch), and at
+  most one crossover conditional for the group. Otherwise (a threshold or Top-N policy, a layer whose
   tiles read rows in place) each sibling runs :func:`backward` on its own rows, adding its
   ``dx`` into the running sum (``dx_into``).
 
@@ -1267,15 +1320,24 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       exact policy, a plan), so no reduction reads ``dy`` again: BERT's q/k/v bias sums were 36
       lone reductions of ``dy`` a step, ~0.38 ms on an H200 (``benchmarks/NOTES.md``, "Next
       lead ... bias gradients").
+    with_dw: which siblings' ``dW`` to compute (default: every one's); the others' are
+      ``None``. ``x`` may be ``None`` (no ``dW`` at all, and no copy of its rows) and
+      ``kernels`` all ``None`` (no ``dx``: it is ``None``), as :func:`backward` takes them: the
+      products that autodiff does not ask for (a frozen kernel, an input without gradient) do
+      not run.
   """
-  num_rows, in_features = x.shape
+  num_rows = dys[0].shape[0]
+  has_dx = kernels[0] is not None
+  with_dw = [x is not None and (with_dw is None or bool(w))
+             for w in (with_dw if with_dw is not None else [True] * len(dys))]
+  in_features = x.shape[1] if x is not None else kernels[0].shape[0]
   configs = [block_config(num_rows, in_features, dy.shape[1], dy.dtype) for dy in dys]
   if crossover is not None:
     configs = [dataclasses.replace(config, crossover=crossover) for config in configs]
   if not all(config.compact for config in configs) or (plan is None and not policy.is_exact):
     return accumulate_siblings(backward, x, kernels, dys, policy=policy, precision=precision,
                                interpret=interpret, crossover=crossover, plan=plan,
-                               column_sums=column_sums)
+                               column_sums=column_sums, with_dw=with_dw)
   # Row blocks and column padding that fit every sibling's tiles (all powers of two).
   block_m = max(_row_block(config) for config in configs)
   m_pad = _round_up(num_rows, block_m)
@@ -1287,38 +1349,65 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
     assert perm.shape[0] >= m_pad, (perm.shape, m_pad)  # RowPlan pads to whole row blocks
   k_pad = max(_k_pad(in_features, config) for config in configs)
 
+  one_dw = _SIBLINGS_DW_ONE_LAUNCH and not any(config.fused for config in configs)
+  one_dx = (_SIBLINGS_DX_ONE_LAUNCH and has_dx and not configs[0].fused and len(
+    {tuple(getattr(config, field) for field in _DX_FIELDS) for config in configs}) == 1)
+  dw_siblings = [i for i, wanted in enumerate(with_dw) if wanted]
+
   def sparse():
     n_pads = [_n_pad(dy.shape[1], config) for dy, config in zip(dys, configs)]
-    slots = [_products_counter_slots(m_pad, k_pad, n_pad, config=config, has_dx=True,
-                                     has_dw=True, kernel_nk=False)
-             for n_pad, config in zip(n_pads, configs)]
-    (xc, *dycs), sums, counters = gather_pallas(
-      [_pad_to(x, (m_pad, k_pad))] + [_pad_to(dy, (m_pad, n_pad))
-                                      for dy, n_pad in zip(dys, n_pads)],
-      perm, count, block_m=block_m, interpret=interpret,
-      summed=range(1, len(dys) + 1) if column_sums else (),
-      zeroed=[n for pair in slots for n in pair])
-    one_dw = _SIBLINGS_DW_ONE_LAUNCH and not any(config.fused for config in configs)
-    dx, dws = None, []
+    # The arrival counters: the one dX launch's first, then each sibling's dX (unless the one
+    # launch runs them) and dW launches'.
+    dx_slots = [_dx_counter_slots(m_pad, k_pad, sum(n_pads), configs[0])] if one_dx else []
+    slots = [_products_counter_slots(m_pad, k_pad, n_pad, config=config,
+                                     has_dx=has_dx and not one_dx, has_dw=wanted,
+                                     kernel_nk=False)
+             for n_pad, config, wanted in zip(n_pads, configs, with_dw)]
+    sources = ([_pad_to(x, (m_pad, k_pad))] if dw_siblings else []) + [
+      _pad_to(dy, (m_pad, n_pad)) for dy, n_pad in zip(dys, n_pads)]
+    first_dy = len(sources) - len(dys)  # x's copy first, where a dW reads it
+    copies, sums, counters = gather_pallas(
+      sources, perm, count, block_m=block_m, interpret=interpret,
+      summed=range(first_dy, len(sources)) if column_sums else (),
+      zeroed=dx_slots + [n for pair in slots for n in pair])
+    xc, dycs = (copies[0] if dw_siblings else None), copies[first_dy:]
+    dx, dws = None, [None] * len(dys)
+    if one_dx:
+      dx = _cropped(dx_pallas(dycs, [_pad_to(kernel, (k_pad, n_pad))
+                                     for kernel, n_pad in zip(kernels, n_pads)],
+                              perm, count, config=configs[0], precision=precision,
+                              interpret=interpret, zero_rows=plan is None, arrivals=counters[0]),
+                    (num_rows, in_features))
+      counters = counters[1:]
     for i, (kernel, dy, dyc, config) in enumerate(zip(kernels, dys, dycs, configs)):
-      dx, dw = _products(xc, dyc, kernel, perm, count, num_rows=num_rows,
-                         in_features=in_features, out_features=dy.shape[1], config=config,
-                         precision=precision, interpret=interpret, kernel_nk=False, dx_into=dx,
-                         zero_rows=plan is None,  # a plan's select, as in `backward`
-                         counters=counters[2 * i:2 * i + 2], with_dw=not one_dw)
-      dws.append(dw)
-    if one_dw:
-      dws = dw_siblings_pallas(xc, dycs, perm, count, configs=configs, precision=precision,
-                               interpret=interpret, arrivals=counters[1::2])
-      dws = [_cropped(dw, (in_features, dy.shape[1])) for dw, dy in zip(dws, dys)]
+      run_dx, run_dw = has_dx and not one_dx, with_dw[i] and not one_dw
+      if not (run_dx or run_dw):
+        continue
+      dx_i, dw = _products(xc if run_dw else None, dyc, kernel if run_dx else None, perm, count,
+                           num_rows=num_rows, in_features=in_features,
+                           out_features=dy.shape[1], config=config, precision=precision,
+                           interpret=interpret, kernel_nk=False,
+                           dx_into=dx if run_dx else None,
+                           zero_rows=plan is None,  # a plan's select, as in `backward`
+                           counters=counters[2 * i:2 * i + 2], with_dw=run_dw)
+      dx = dx_i if run_dx else dx
+      dws[i] = dw
+    if one_dw and dw_siblings:
+      wanted = dw_siblings
+      for i, dw in zip(wanted, dw_siblings_pallas(
+          xc, [dycs[i] for i in wanted], perm, count, configs=[configs[i] for i in wanted],
+          precision=precision, interpret=interpret,
+          arrivals=[counters[2 * i + 1] for i in wanted])):
+        dws[i] = _cropped(dw, (in_features, dys[i].shape[1]))
     dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
-    return (dx if plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
+    return (dx if dx is None or plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
 
   def dense():
-    parts = [dense_backward(x, kernel, dy, keep=keep, policy=policy, precision=precision,
-                            planned=plan is not None) for kernel, dy in zip(kernels, dys)]
-    return (functools.reduce(jnp.add, [dx for dx, _ in parts]), [dw for _, dw in parts],
-            full_column_sums(dys) if column_sums else None)
+    parts = [dense_backward(x if wanted else None, kernel, dy, keep=keep, policy=policy,
+                            precision=precision, planned=plan is not None)
+             for kernel, dy, wanted in zip(kernels, dys, with_dw)]
+    return (functools.reduce(jnp.add, [dx for dx, _ in parts]) if has_dx else None,
+            [dw for _, dw in parts], full_column_sums(dys) if column_sums else None)
 
   threshold = min(config.crossover for config in configs)
   if threshold >= 1.0:  # no dense branch: no conditional at all

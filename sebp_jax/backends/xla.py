@@ -159,15 +159,25 @@ def backward(x, kernel, dy, *, policy: RowPolicy, precision=None, plan: RowPlan 
 
 
 def accumulate_siblings(sibling_backward, x, kernels, dys, *, column_sums: bool = False,
-                        **options):
+                        with_dw=None, **options):
   """``(dx, dws, dbs)`` of sibling products ``x @ kernels[i]`` of one input, ``dx`` summed over
   them: ``sibling_backward`` (a backend's ``backward``) for each in turn, each adding its ``dx``
   into the running sum (``dx_into``); ``dbs``: :func:`full_column_sums` of ``dys`` with
   ``column_sums``, else ``None``. The XLA backend's sibling backward, and the Pallas backend's
-  where its siblings cannot share one gather."""
+  where its siblings cannot share one gather.
+
+  ``x`` ``None``: no ``dW``; ``kernels`` all ``None``: no ``dx`` (``None``). ``with_dw``: which
+  siblings' ``dW`` to compute (default: every one's); the others' are ``None``, as is their
+  whole backward where they need no ``dx`` either."""
   dx, dws = None, []
-  for kernel, dy in zip(kernels, dys):
-    dx, dw = sibling_backward(x, kernel, dy, dx_into=dx, **options)
+  for index, (kernel, dy) in enumerate(zip(kernels, dys)):
+    own_x = x if with_dw is None or with_dw[index] else None
+    if own_x is None and kernel is None:
+      dws.append(None)
+      continue
+    dx_i, dw = sibling_backward(own_x, kernel, dy, dx_into=None if kernel is None else dx,
+                                **options)
+    dx = dx if kernel is None else dx_i
     dws.append(dw)
   return dx, dws, (full_column_sums(dys) if column_sums else None)
 
