@@ -1305,9 +1305,9 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   gather launch that copies the kept rows of ``x`` and of every ``dys[i]``, each sibling's
   products on those copies, its dX adding into the first sibling's in place (or, with
   ``_SIBLINGS_DX_ONE_LAUNCH`` and alike dX tiles, every sibling's dX in one launch), and at
-  most one crossover conditional for the group. Otherwise (a threshold or Top-N policy, a layer whose
-  tiles read rows in place) each sibling runs :func:`backward` on its own rows, adding its
-  ``dx`` into the running sum (``dx_into``).
+  most one crossover conditional for the group. Otherwise (a threshold or Top-N policy, a layer
+  whose tiles read rows in place) each sibling runs :func:`backward` on its own rows, adding
+  its ``dx`` into the running sum (``dx_into``).
 
   Args:
     x: ``(M, K)`` input.
@@ -1328,8 +1328,8 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
   """
   num_rows = dys[0].shape[0]
   has_dx = kernels[0] is not None
-  with_dw = [x is not None and (with_dw is None or bool(w))
-             for w in (with_dw if with_dw is not None else [True] * len(dys))]
+  with_dw = [x is not None and bool(wanted)
+             for wanted in ([True] * len(dys) if with_dw is None else with_dw)]
   in_features = x.shape[1] if x is not None else kernels[0].shape[0]
   configs = [block_config(num_rows, in_features, dy.shape[1], dy.dtype) for dy in dys]
   if crossover is not None:
@@ -1393,11 +1393,10 @@ def siblings_backward(x, kernels, dys, *, policy: RowPolicy, precision=None,
       dx = dx_i if run_dx else dx
       dws[i] = dw
     if one_dw and dw_siblings:
-      wanted = dw_siblings
-      for i, dw in zip(wanted, dw_siblings_pallas(
-          xc, [dycs[i] for i in wanted], perm, count, configs=[configs[i] for i in wanted],
-          precision=precision, interpret=interpret,
-          arrivals=[counters[2 * i + 1] for i in wanted])):
+      for i, dw in zip(dw_siblings, dw_siblings_pallas(
+          xc, [dycs[i] for i in dw_siblings], perm, count,
+          configs=[configs[i] for i in dw_siblings], precision=precision, interpret=interpret,
+          arrivals=[counters[2 * i + 1] for i in dw_siblings])):
         dws[i] = _cropped(dw, (in_features, dys[i].shape[1]))
     dbs = [total[:dy.shape[1]] for total, dy in zip(sums, dys)] if column_sums else None
     return (dx if dx is None or plan is None else _zero_dropped_rows(dx, keep)), dws, dbs
