@@ -368,10 +368,11 @@ VARIANTS: tuple[Variant, ...] = (
   # one's dx, instead of the group's one launch (NOTES "v39 measured").
   Variant("jax-sebp-pallas-plan-nocond-dx-per-sibling", "jax", "pallas", per_batch=True,
           rows=True, crossover=1.0, launch=(("_SIBLINGS_DX_ONE_LAUNCH", False),)),
-  # ... with each lone Dense's bias inside its rule, its gradient summed by its gather over the
-  # kept rows (BERT's FFN up, attention output and FFN down; NOTES "v38 measured").
-  Variant("jax-sebp-pallas-plan-nocond-bias-in-rule", "jax", "pallas", per_batch=True,
-          rows=True, crossover=1.0, launch=(("_LONE_BIAS_IN_RULE", True),)),
+  # ... with each lone Dense's bias gradient left to autodiff, a column sum over every row of its
+  # `dy`, instead of its gather's over the kept rows (BERT's FFN up, attention output and FFN
+  # down; NOTES "v38 measured"), against the default in the same process.
+  Variant("jax-sebp-pallas-plan-nocond-bias-by-autodiff", "jax", "pallas", per_batch=True,
+          rows=True, crossover=1.0, launch=(("_LONE_BIAS_IN_RULE", False),)),
   # The same model built from nn.Einsum layers: SEBP must speed it up as much as the Dense one.
   Variant("jax-dense-einsum", "jax", "dense", layers="einsum"),
   Variant("jax-sebp-pallas-einsum", "jax", "pallas", layers="einsum"),

@@ -28,14 +28,22 @@ def dot_output_shapes(jaxpr: Any) -> list[tuple[int, ...]]:
           if e.primitive.name == "dot_general"]
 
 
-def count_primitive(jaxpr: Any, prefix: str) -> int:
-  """How many equations run a primitive whose name starts with ``prefix``."""
-  return sum(e.primitive.name.startswith(prefix) for e in iter_eqns(jaxpr))
+def count_primitive(jaxpr: Any, prefix: str, *, into_kernels: bool = True) -> int:
+  """How many equations run a primitive whose name starts with ``prefix``; without
+  ``into_kernels``, in the program around Pallas kernels only (a kernel's ``pl.when`` is a
+  ``cond`` too, not one of the program's conditionals)."""
+  return sum(e.primitive.name.startswith(prefix)
+             for e in iter_eqns(jaxpr, into_kernels=into_kernels))
 
 
 def count_sebp_rules(jaxpr: Any) -> int:
-  """How many SEBP backward rules (``sebp_matmul``'s ``custom_vjp``) ``jaxpr`` holds: one per
-  layer that runs SEBP, other ``custom_vjp``s (an embedding's, say) not counted."""
-  return sum(e.primitive.name.startswith("custom_vjp_call")
-             and getattr(e.params.get("bwd"), "__name__", "").startswith("_sebp_product")
-             for e in iter_eqns(jaxpr))
+  """How many layers ``jaxpr`` runs through an SEBP backward rule: one per ``sebp_matmul`` rule
+  (``custom_vjp``), one per product of a ``sebp_matmuls`` rule (a sibling group, or one layer
+  made a group of one); other ``custom_vjp``s (an embedding's, say) not counted."""
+  def layers(eqn) -> int:
+    rule = getattr(eqn.params.get("bwd"), "__name__", "")
+    if not eqn.primitive.name.startswith("custom_vjp_call"):
+      return 0
+    return 1 if rule.startswith("_sebp_product") else (
+      len(eqn.outvars) if rule.startswith("_sebp_siblings") else 0)
+  return sum(layers(e) for e in iter_eqns(jaxpr))

@@ -369,10 +369,10 @@ def dense_siblings(modules, x: jax.Array) -> tuple[jax.Array, ...]:
 # bias gradient is summed by its gather over the kept rows instead of by XLA over every row of
 # `dy` (BERT's FFN up: a column sum over 16384 x 3072 inside the GELU's backward fusion; the
 # backward's GPU time -0.14 to -0.17 ms on BERT-base b32, benchmarks/NOTES.md "v38 measured").
-# Off until the tests that count each layer's rule, conditionals and name are taught a group of
-# one and a GPU run checks them (NOTES "v38 measured"). The model benchmarks' variant
-# `jax-sebp-pallas-plan-nocond-bias-in-rule` turns it on for an A/B in one process.
-_LONE_BIAS_IN_RULE = False
+# Its rule runs only the products autodiff asks for, as sebp_matmul's does. False leaves the bias
+# add to autodiff: the model benchmarks' reverse A/B variant
+# `jax-sebp-pallas-plan-nocond-bias-by-autodiff`.
+_LONE_BIAS_IN_RULE = True
 
 
 def _group_products(modules, x: jax.Array, dot_general: SEBPDotGeneral) -> tuple[jax.Array, ...]:

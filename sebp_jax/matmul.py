@@ -320,8 +320,9 @@ def _sebp_siblings_bwd(policy, impl, crossover, precision, name, sharding, resid
 
   def backward(x2d, group_kernels, group_dys, plan):
     if plan is not None and plan.check:  # on this device's rows: no collective
-      for index, dy2d in zip(used, group_dys):
-        check_plan_covers(plan, dy2d, f"{name or 'sebp_matmuls'}[{index}]")
+      for index, dy2d in zip(used, group_dys):  # a group of one: its layer's own name
+        check_plan_covers(plan, dy2d, name if name and len(dys) == 1
+                          else f"{name or 'sebp_matmuls'}[{index}]")
     dx2d, group_dws, group_dbs = group(x2d, list(group_kernels), list(group_dys), policy=policy,
                                        precision=precision, plan=plan, column_sums=column_sums,
                                        with_dw=used_with_dw)
